@@ -1,0 +1,61 @@
+"""The partial-attention seam: `(q, k, v, visibility) -> (out, lse)`, with autograd.
+
+Every mode (reference, CP, BP, CSBP, DFlash drafters) calls only this function; backends differ in speed,
+never in the function computed. Shapes follow SDPA: q [B, H, Nq, D], k/v [B, Hk, Nk, D] with H % Hk == 0
+(GQA); out has q's dtype, lse is fp32 (fp64 for fp64 inputs) and is -inf on rows that see no key.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..masks.visibility import Visibility
+from .dense import dense_attention
+
+__all__ = ["BACKENDS", "partial_attention", "check_qkv"]
+
+BACKENDS = ("auto", "dense", "flex")
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """One-line errors for inconsistent q/k/v."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be [batch, heads, tokens, head_dim]; got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(f"q, k, v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if q.device != k.device or q.device != v.device:
+        raise ValueError(f"q, k, v must be on one device; got q {q.device}, k {k.device}, v {v.device}")
+    if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must share batch and head_dim; got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"heads ({q.shape[1]}) must be a multiple of kv_heads ({k.shape[1]})")
+
+
+def partial_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    vis: Visibility,
+    *,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_qkv(q, k, v)
+    if q.shape[2] != len(vis.q) or k.shape[2] != len(vis.k):
+        raise ValueError(
+            f"visibility covers {len(vis.q)} queries x {len(vis.k)} keys; got q tokens {q.shape[2]}, "
+            f"k tokens {k.shape[2]}"
+        )
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if backend == "auto":
+        backend = "flex" if q.is_cuda else "dense"
+    if backend == "flex":
+        from .flex import flex_attention_partial
+
+        return flex_attention_partial(q, k, v, vis, scale)
+    return dense_attention(q, k, v, vis.dense(q.device), scale)

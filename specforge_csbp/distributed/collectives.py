@@ -1,0 +1,128 @@
+"""Async all-gather of shared K/V whose backward is an async reduce-scatter, both overlapped with compute.
+
+    forward:   start all-gather(kv shard) ──► local attention (overlaps) ──► wait ──► remote attention
+    backward:  remote attention bwd ──► start reduce-scatter(d kv) ──► local attention bwd ──► wait
+
+The pair of autograd Functions relies on the engine running ready nodes in reverse creation order: the
+`_Wait` node (created after the local attention) runs its backward first and starts the reduce-scatter;
+the local attention's backward then runs before `_Start`'s backward, which waits for the result.
+
+K and V travel fused in one buffer; every rank's segment is padded to the largest shard (`width`). Byte
+counts are what a rank sends on a ring: (P-1) segments per all-gather and per reduce-scatter.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CommStats", "COMM_STATS", "KVGather"]
+
+
+@dataclass
+class CommStats:
+    """Bytes this process sent in attention collectives, by operation."""
+
+    bytes_sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, op: str, nbytes: int) -> None:
+        self.bytes_sent[op] += nbytes
+
+    def reset(self) -> None:
+        self.bytes_sent.clear()
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes_sent.values())
+
+
+COMM_STATS = CommStats()
+
+
+class _Pending:
+    """State shared by the start/wait nodes of one gather."""
+
+    def __init__(self, group, world: int, stats: CommStats, communicate: bool):
+        self.group, self.world, self.stats, self.communicate = group, world, stats, communicate
+        self.work = None
+        self.grad_shard: torch.Tensor | None = None
+
+
+class _Start(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, pending: _Pending):
+        ctx.pending = pending
+        out = shard.new_empty((pending.world * shard.shape[0],) + tuple(shard.shape[1:]))
+        if pending.communicate:
+            pending.work = dist.all_gather_into_tensor(out, shard, group=pending.group, async_op=True)
+            pending.stats.add("all_gather", shard.numel() * shard.element_size() * (pending.world - 1))
+        else:  # benchmark control: same buffers and compute, no communication
+            out.view(pending.world, *shard.shape).copy_(shard.expand(pending.world, *shard.shape))
+        return out
+
+    @staticmethod
+    def backward(ctx, _grad_from_wait):
+        pending = ctx.pending
+        if pending.work is not None:
+            pending.work.wait()
+            pending.work = None
+        grad, pending.grad_shard = pending.grad_shard, None
+        return grad, None
+
+
+class _Wait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gathered: torch.Tensor, pending: _Pending):
+        ctx.pending = pending
+        if pending.work is not None:
+            pending.work.wait()
+            pending.work = None
+        return gathered.view_as(gathered)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        pending = ctx.pending
+        grad = grad.contiguous()
+        shard = grad.new_empty((grad.shape[0] // pending.world,) + tuple(grad.shape[1:]))
+        if pending.communicate:
+            pending.work = dist.reduce_scatter_tensor(shard, grad, group=pending.group, async_op=True)
+            pending.stats.add("reduce_scatter", shard.numel() * shard.element_size() * (pending.world - 1))
+        else:
+            torch.sum(grad.view(pending.world, *shard.shape), dim=0, out=shard)
+        pending.grad_shard = shard
+        return grad, None
+
+
+class KVGather:
+    """Gathers the shared rows of local K and V from every rank of `group`.
+
+    `start(k, v, rows, width)` launches the collective and returns immediately; `wait()` returns the
+    gathered K and V as [B, Hk, world * width, D] views, rank-major (segment r = rank r's rows, padded).
+    """
+
+    def __init__(self, group=None, *, stats: CommStats = COMM_STATS, communicate: bool = True):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.stats, self.communicate = stats, communicate
+        self._state: tuple[torch.Tensor, _Pending] | None = None
+
+    def start(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, width: int) -> None:
+        b, hk, _, d = k.shape
+        # [n, 2, B, Hk, D]: token-major so the gathered buffer is rank-major along tokens.
+        kv = torch.stack([k.index_select(2, rows.to(k.device)), v.index_select(2, rows.to(v.device))], dim=0)
+        shard = kv.permute(3, 0, 1, 2, 4)
+        n = shard.shape[0]
+        if n < width:
+            shard = torch.cat([shard, shard.new_zeros((width - n,) + tuple(shard.shape[1:]))])
+        pending = _Pending(self.group, self.world, self.stats, self.communicate)
+        self._state = (_Start.apply(shard.contiguous(), pending), pending)
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self._state is not None, "KVGather.wait() without start()"
+        gathered, pending = self._state
+        self._state = None
+        kv = _Wait.apply(gathered, pending)  # [world * width, 2, B, Hk, D], rank-major
+        return kv[:, 0].permute(1, 2, 0, 3), kv[:, 1].permute(1, 2, 0, 3)

@@ -1,0 +1,24 @@
+"""Pure layout math: who owns which clean token, which corrupted block, which query row.
+
+Nothing here communicates or touches a device; every function is deterministic in its arguments, so each
+rank can compute every other rank's layout without asking it.
+"""
+
+from .assignment import Assignment, assign_dual_end
+from .plans import MODES, ShardPlan, bdlm_plan, check_bdlm_shape
+from .tokens import CLEAN, NOISY, PAD, TokenSet
+from .zigzag import ZigzagShards
+
+__all__ = [
+    "Assignment",
+    "assign_dual_end",
+    "MODES",
+    "ShardPlan",
+    "bdlm_plan",
+    "check_bdlm_shape",
+    "CLEAN",
+    "NOISY",
+    "PAD",
+    "TokenSet",
+    "ZigzagShards",
+]

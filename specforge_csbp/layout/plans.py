@@ -1,0 +1,170 @@
+"""Per-rank shard plans: which rows a rank queries, which keys it holds, which keys it shares.
+
+Rows are numbered in the reference's 2L order (clean positions 0..L-1, then corrupted L..2L-1):
+
+    reference row:   0 ........ L-1 | L ........ 2L-1
+                     clean x0        | corrupted xt
+
+A `ShardPlan` says, for one rank: its query rows, its key rows, and which of its key rows are shared (their
+K/V are all-gathered by every rank each layer). One executor runs every plan; the modes differ only here:
+
+    mode       query/key rows of rank r                                  shared key rows
+    reference  all 2L rows (P = 1)                                       none
+    cp         clean + corrupted rows at zigzag positions of r           all of them (both copies)
+    bp         corrupted rows of r's blocks + clean prefix they need     none (clean prefix replicated)
+    csbp       corrupted rows of r's blocks + clean zigzag shard of r    clean shard only
+
+Corrupted blocks are owned whole (dual-end, `assignment.py`); clean shards are zigzag (`zigzag.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .assignment import Assignment, assign_dual_end
+from .tokens import CLEAN, NOISY, TokenSet
+from .zigzag import ZigzagShards
+
+__all__ = ["MODES", "ShardPlan", "bdlm_plan", "build_plans", "check_bdlm_shape", "block_assignment"]
+
+MODES = ("reference", "cp", "bp", "csbp")
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """What one rank holds for one attention call (see module docstring)."""
+
+    rank: int
+    world_size: int
+    q_rows: torch.Tensor  # global row ids of local query rows
+    q_tokens: TokenSet
+    kv_rows: torch.Tensor  # global row ids of local key/value rows
+    kv_tokens: TokenSet
+    shared: torch.Tensor  # indices into the local kv rows whose K/V every rank gathers
+    shared_counts: tuple[int, ...]  # len(shared) on every rank (the gathered buffer is padded to the max)
+    remote_kv_tokens: TokenSet  # tokens of the gathered buffer, this rank's own segment turned to PAD
+    q_primary: torch.Tensor  # bool per query row: this rank is the row's unique owner (False on replicas)
+
+    @property
+    def gather_len(self) -> int:
+        """Rows of each rank's segment in the gathered buffer (padded to the largest shard)."""
+        return max(self.shared_counts) if self.shared_counts else 0
+
+    @property
+    def communicates(self) -> bool:
+        return self.world_size > 1 and self.gather_len > 0
+
+
+def build_plans(
+    q_rows: list[torch.Tensor],
+    q_tokens: list[TokenSet],
+    kv_rows: list[torch.Tensor],
+    kv_tokens: list[TokenSet],
+    shared: list[torch.Tensor],
+) -> list[ShardPlan]:
+    """Assemble every rank's plan from per-rank row/token lists (pure; every rank computes all of them)."""
+    world = len(q_rows)
+    counts = tuple(int(s.numel()) for s in shared)
+    width = max(counts) if counts else 0
+    segments = [kv_tokens[r].select(shared[r]).padded(width) for r in range(world)]
+    seen: set[int] = set()
+    primary = []
+    for r in range(world):
+        rows = q_rows[r].tolist()
+        primary.append(torch.tensor([row not in seen for row in rows], dtype=torch.bool))
+        seen.update(rows)
+    plans = []
+    for r in range(world):
+        own = torch.zeros(world * width, dtype=torch.bool)
+        own[r * width : (r + 1) * width] = True
+        plans.append(
+            ShardPlan(
+                rank=r,
+                world_size=world,
+                q_rows=q_rows[r],
+                q_tokens=q_tokens[r],
+                kv_rows=kv_rows[r],
+                kv_tokens=kv_tokens[r],
+                shared=shared[r],
+                shared_counts=counts,
+                remote_kv_tokens=TokenSet.cat(segments).masked(own),
+                q_primary=primary[r],
+            )
+        )
+    return plans
+
+
+def check_bdlm_shape(mode: str, seq_len: int, block_size: int, world_size: int) -> None:
+    """One-line errors for shapes no mode can run."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if seq_len < 1 or seq_len % block_size:
+        raise ValueError(f"seq_len must be a positive multiple of block_size={block_size}, got {seq_len}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if mode == "reference" and world_size != 1:
+        raise ValueError(f"mode 'reference' runs on world_size 1, got {world_size}")
+    blocks = seq_len // block_size
+    if blocks < world_size:
+        raise ValueError(
+            f"seq_len/block_size = {blocks} blocks < world_size = {world_size}: "
+            f"every rank needs at least one block (use fewer ranks or a longer sequence)"
+        )
+
+
+def block_assignment(num_blocks: int, world_size: int) -> Assignment:
+    """Dual-end ownership of corrupted blocks. Block b's visible pairs grow with b (S*S own + b*S*S clean)."""
+    return assign_dual_end([float(b + 1) for b in range(num_blocks)], world_size, what="blocks")
+
+
+def _noisy_rows(blocks: tuple[int, ...], block_size: int, seq_len: int) -> torch.Tensor:
+    if not blocks:
+        return torch.zeros(0, dtype=torch.long)
+    return seq_len + torch.cat([torch.arange(b * block_size, (b + 1) * block_size) for b in blocks])
+
+
+def _tokens_of_rows(rows: torch.Tensor, seq_len: int, block_size: int) -> TokenSet:
+    """TokenSet for global 2L rows (clean rows < L, corrupted rows >= L)."""
+    clean = rows < seq_len
+    pos = torch.where(clean, rows, rows - seq_len)
+    block = torch.div(pos, block_size, rounding_mode="floor")
+    kind = torch.where(clean, CLEAN, NOISY)
+    return TokenSet(pos, kind, block, block * block_size)
+
+
+def bdlm_plan(mode: str, seq_len: int, block_size: int, world_size: int) -> list[ShardPlan]:
+    """Plans of all ranks for one BDLM sequence of `seq_len` clean tokens in blocks of `block_size`."""
+    check_bdlm_shape(mode, seq_len, block_size, world_size)
+    L, S, P = seq_len, block_size, world_size
+    rows: list[torch.Tensor] = []
+    shared: list[torch.Tensor] = []
+    if mode == "reference":
+        rows = [torch.arange(2 * L)]
+        shared = [torch.zeros(0, dtype=torch.long)]
+    elif mode == "cp":
+        zig = ZigzagShards(L, S, P)
+        for r in range(P):
+            pos = zig.rank_positions(r)
+            rows.append(torch.cat([pos, L + pos]))
+            shared.append(torch.arange(2 * pos.numel()))
+    else:
+        owned = block_assignment(L // S, P).items
+        zig = ZigzagShards(L, S, P)
+        for r in range(P):
+            noisy = _noisy_rows(owned[r], S, L)
+            if mode == "csbp":
+                clean = zig.rank_positions(r)
+            else:  # bp: the clean prefix r's blocks need; the last block's owner also keeps the last clean
+                # block so every reference row is computed somewhere (nothing depends on it).
+                last = max(owned[r])
+                clean = torch.arange((last + (1 if last == L // S - 1 else 0)) * S)
+            rows.append(torch.cat([clean, noisy]))
+            shared.append(torch.arange(clean.numel()) if mode == "csbp" else torch.zeros(0, dtype=torch.long))
+    tokens = [_tokens_of_rows(r, L, S) for r in rows]
+    return build_plans(rows, tokens, rows, tokens, shared)
+
+

@@ -1,0 +1,108 @@
+"""The visibility rule of block-diffusion training (query -> key), for BDLM and DFlash alike.
+
+For L = 8, S = 4 (two blocks), causal clean rule; rows are queries, columns keys, '#' visible:
+
+                     clean keys        corrupted keys
+                   b0 . . . b1 . . .   b0 . . . b1 . . .
+    clean   b0     # . . .  . . . .    . . . .  . . . .
+                   # # . .  . . . .    . . . .  . . . .
+                   # # # .  . . . .    . . . .  . . . .
+                   # # # #  . . . .    . . . .  . . . .
+            b1     # # # #  # . . .    . . . .  . . . .
+                   # # # #  # # . .    . . . .  . . . .
+                   # # # #  # # # .    . . . .  . . . .
+                   # # # #  # # # #    . . . .  . . . .
+    corrupt b0     . . . .  . . . .    # # # #  . . . .
+                   . . . .  . . . .    # # # #  . . . .   (corrupted keys of a block are seen by
+                   . . . .  . . . .    # # # #  . . . .    that block only; corrupted queries see
+                   . . . .  . . . .    # # # #  . . . .    clean keys of earlier blocks)
+            b1     # # # #  . . . .    . . . .  # # # #
+                   # # # #  . . . .    . . . .  # # # #
+                   # # # #  . . . .    . . . .  # # # #
+                   # # # #  . . . .    . . . .  # # # #
+
+- clean query -> clean keys with pos <= q.pos ("causal"), or in blocks <= its own ("bidirectional");
+- corrupted query -> corrupted keys of the same block id, and clean keys with pos < its block start;
+- PAD keys are never visible.
+A DFlash draft block is a run of NOISY tokens with block = anchor index and start = anchor position, and
+the context is CLEAN tokens without queries: the same rule gives "context < anchor + own block".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..layout.tokens import CLEAN, NOISY, TokenSet
+
+__all__ = ["CLEAN_RULES", "visible", "Visibility"]
+
+CLEAN_RULES = ("causal", "bidirectional")
+
+
+def visible(
+    q_pos: torch.Tensor,
+    q_kind: torch.Tensor,
+    q_block: torch.Tensor,
+    q_start: torch.Tensor,
+    k_pos: torch.Tensor,
+    k_kind: torch.Tensor,
+    k_block: torch.Tensor,
+    block_size: int,
+    clean_bidirectional: bool,
+) -> torch.Tensor:
+    """The rule, elementwise with broadcasting (also traced inside FlexAttention's mask_mod)."""
+    q_clean = q_kind == CLEAN
+    q_noisy = q_kind == NOISY
+    clean_limit = (k_pos < q_start + block_size) if clean_bidirectional else (k_pos <= q_pos)
+    sees_clean = (k_kind == CLEAN) & ((q_clean & clean_limit) | (q_noisy & (k_pos < q_start)))
+    sees_noisy = (k_kind == NOISY) & q_noisy & (k_block == q_block)
+    return sees_clean | sees_noisy
+
+
+@dataclass(eq=False)
+class Visibility:
+    """Which of `k`'s rows each of `q`'s rows may attend to. Masks are built lazily and cached."""
+
+    q: TokenSet
+    k: TokenSet
+    block_size: int
+    clean_within_block: str = "causal"
+    _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.clean_within_block not in CLEAN_RULES:
+            raise ValueError(
+                f"clean_within_block must be one of {', '.join(CLEAN_RULES)}; got {self.clean_within_block!r}"
+            )
+
+    @property
+    def bidirectional(self) -> bool:
+        return self.clean_within_block == "bidirectional"
+
+    def dense(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[Nq, Nk] boolean mask."""
+        key = ("dense", str(device))
+        if key not in self._cache:
+            q, k = self.q.to(device), self.k.to(device)
+            self._cache[key] = visible(
+                q.pos[:, None], q.kind[:, None], q.block[:, None], q.start[:, None],
+                k.pos[None, :], k.kind[None, :], k.block[None, :],
+                self.block_size, self.bidirectional,
+            )  # fmt: skip
+        return self._cache[key]
+
+    def mask_mod(self, device: torch.device | str) -> Callable[..., torch.Tensor]:
+        """FlexAttention mask_mod(b, h, q_idx, kv_idx) evaluating the same rule by row lookup."""
+        q, k = self.q.to(device), self.k.to(device)
+        size, bidir = self.block_size, self.bidirectional
+
+        def mask_mod(b, h, q_idx, kv_idx):  # noqa: ARG001 - FlexAttention's signature
+            return visible(
+                q.pos[q_idx], q.kind[q_idx], q.block[q_idx], q.start[q_idx],
+                k.pos[kv_idx], k.kind[kv_idx], k.block[kv_idx], size, bidir,
+            )  # fmt: skip
+
+        return mask_mod

@@ -1,0 +1,81 @@
+"""Run one rank's `ShardPlan` through the seam: local keys now, shared keys after the all-gather.
+
+    q_local ──► seam(q, local K/V)  ──────────────┐   (overlaps the all-gather)
+    shared K/V rows ──► all-gather (async) ──► seam(q, gathered K/V, own segment hidden) ──► LSE merge
+
+The local call sees every key this rank holds; the remote call sees the other ranks' shared keys (this
+rank's own segment of the gathered buffer is PAD in the plan, so nothing is counted twice). Reference,
+CP, BP and CSBP are this same code over different plans (layout/plans.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..attention import merge_partials, partial_attention
+from ..distributed.collectives import COMM_STATS, CommStats, KVGather
+from ..layout.plans import ShardPlan, bdlm_plan
+from ..masks.visibility import Visibility
+
+__all__ = ["ShardedAttention", "bdlm_attention"]
+
+
+class ShardedAttention:
+    """Attention of this rank's query rows over all keys visible to them, wherever they live."""
+
+    def __init__(
+        self,
+        plan: ShardPlan,
+        block_size: int,
+        *,
+        clean_within_block: str = "causal",
+        group: dist.ProcessGroup | None = None,
+        backend: str = "auto",
+        communicate: bool = True,
+        stats: CommStats = COMM_STATS,
+    ):
+        if plan.world_size > 1:
+            group_size = dist.get_world_size(group)
+            if group_size != plan.world_size:
+                raise ValueError(f"world_size: plan has {plan.world_size} ranks, process group has {group_size}")
+        self.plan, self.group, self.backend = plan, group, backend
+        self.local = Visibility(plan.q_tokens, plan.kv_tokens, block_size, clean_within_block)
+        self.remote = (
+            Visibility(plan.q_tokens, plan.remote_kv_tokens, block_size, clean_within_block)
+            if plan.communicates
+            else None
+        )
+        self._gather = KVGather(group, stats=stats, communicate=communicate) if self.remote else None
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._gather is not None:
+            self._gather.start(k, v, self.plan.shared, self.plan.gather_len)
+        out, lse = partial_attention(q, k, v, self.local, scale=scale, backend=self.backend)
+        if self._gather is None:
+            return out, lse
+        k_all, v_all = self._gather.wait()
+        out_r, lse_r = partial_attention(q, k_all, v_all, self.remote, scale=scale, backend=self.backend)
+        return merge_partials(out, lse, out_r, lse_r)
+
+
+def bdlm_attention(
+    mode: str,
+    seq_len: int,
+    block_size: int,
+    *,
+    group: dist.ProcessGroup | None = None,
+    clean_within_block: str = "causal",
+    backend: str = "auto",
+    communicate: bool = True,
+) -> ShardedAttention:
+    """This rank's attention for a BDLM sequence (`plan.q_rows` says which 2L rows it holds)."""
+    world = dist.get_world_size(group) if mode != "reference" and dist.is_initialized() else 1
+    rank = dist.get_rank(group) if world > 1 else 0
+    plan = bdlm_plan(mode, seq_len, block_size, world)[rank]
+    return ShardedAttention(
+        plan, block_size, clean_within_block=clean_within_block, group=group, backend=backend,
+        communicate=communicate,
+    )  # fmt: skip
