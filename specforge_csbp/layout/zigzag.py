@@ -6,8 +6,10 @@ chunks r and 2P-1-r, so every rank gets one early (cheap causal) and one late (e
     P = 2, 2P = 4 chunks:   | c0 | c1 | c2 | c3 |
                               r0   r1   r1   r0
 
-When B is not divisible by 2P the chunk bounds are floor(c*B/2P) blocks, so chunk sizes differ by at most
-one block (and chunks may be empty when B < 2P).
+Chunks lie on block boundaries. When B is not divisible by 2P, every rank still holds B//P or B//P + 1
+blocks (the first B % P ranks one more): rank r's n_r blocks split into an early chunk of n_r//2 blocks and
+a late chunk of the rest, so all-gathered shards are equal whenever P divides B (no padding) and differ by
+one block otherwise. Early chunks may be empty when B < 2P.
 """
 
 from __future__ import annotations
@@ -41,8 +43,14 @@ class ZigzagShards:
 
     def chunk_bounds(self) -> list[tuple[int, int]]:
         """Token bounds [lo, hi) of the 2P chunks, in sequence order."""
-        n, b, s = 2 * self.world_size, self.num_blocks, self.block_size
-        return [((c * b // n) * s, ((c + 1) * b // n) * s) for c in range(n)]
+        p, b, s = self.world_size, self.num_blocks, self.block_size
+        per_rank = [b // p + (1 if r < b % p else 0) for r in range(p)]
+        sizes = [n // 2 for n in per_rank] + [n - n // 2 for n in reversed(per_rank)]
+        bounds, lo = [], 0
+        for size in sizes:
+            bounds.append((lo * s, (lo + size) * s))
+            lo += size
+        return bounds
 
     def rank_chunks(self, rank: int) -> tuple[int, int]:
         return rank, 2 * self.world_size - 1 - rank

@@ -1,0 +1,1 @@
+"""`specforge-csbp` command line. Each sub-module with a `register(subparsers)` function is a subcommand."""

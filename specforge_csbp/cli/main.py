@@ -1,0 +1,40 @@
+"""`specforge-csbp <command>`: every module in this package that defines `register(subparsers)` adds one
+subcommand (its parser must set `func`), so a new command is a new file and nothing else."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+from .. import __version__
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specforge-csbp", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"specforge-csbp {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    package = importlib.import_module(__package__)
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+        if info.name == "main":
+            continue
+        module = importlib.import_module(f"{__package__}.{info.name}")
+        if hasattr(module, "register"):
+            module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as err:  # validation errors are one line, named after the field
+        print(f"specforge-csbp {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
