@@ -1,0 +1,66 @@
+"""The shared benchmark record: one JSON object per measured point, files under benchmarks/results/.
+
+Every benchmark, sweep, table and plot reads and writes this one schema; extra fields are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+__all__ = ["BenchRecord", "load_records", "write_records"]
+
+Workload = str  # "attention" | "sft" | "convert" | "drafter" | "drafter-<shape>"
+Mode = Literal["reference", "dp", "cp", "bp", "csbp", "torch-cp", "specforge"]
+
+
+class BenchRecord(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    workload: Workload
+    mode: Mode
+    world_size: int
+    context_len: int
+    block_size: int
+    step_ms: float | None = None
+    tokens_per_s: float | None = None
+    peak_mem_gib: float | None = None
+    status: Literal["ok", "oom", "error"] = "ok"
+    device: str
+    date: str
+    command: str
+    useful_tflops_per_gpu: float | None = None  # attention records
+    exposed_comm_ms: float | None = None  # attention records
+
+
+def load_records(paths: list[str | os.PathLike] | str | os.PathLike) -> list[BenchRecord]:
+    """Read records from files or directories (*.json: a list or one object; *.jsonl: one per line)."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    files: list[Path] = []
+    for p in map(Path, paths):
+        files.extend(sorted(p.glob("**/*.json*")) if p.is_dir() else [p])
+    records = []
+    for f in files:
+        text = f.read_text()
+        if f.suffix == ".jsonl":
+            items = [json.loads(line) for line in text.splitlines() if line.strip()]
+        else:
+            data = json.loads(text)
+            items = data if isinstance(data, list) else [data]
+        records.extend(BenchRecord.model_validate(item) for item in items)
+    return records
+
+
+def write_records(path: str | os.PathLike, records: list[BenchRecord], *, append: bool = True) -> None:
+    """Append records as JSON lines (atomic per call: written to a temp file, then renamed)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = path.read_text() if append and path.exists() else ""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(old + "".join(r.model_dump_json(exclude_none=True) + "\n" for r in records))
+    os.replace(tmp, path)
