@@ -1,0 +1,143 @@
+"""PNG plots of one workload's records (matplotlib, Agg, no timestamps: same records -> same bytes).
+
+    <slug>_tokens_per_s.png   tokens/s vs context, one line per mode (and degree / block size if they vary)
+    <slug>_speedup.png        CSBP tokens/s over the best non-CSBP mode measured side by side, vs context
+    <slug>_peak_mem.png       peak memory (max over ranks) vs context, one line per mode
+
+Only ok records are drawn; a point that has several ok records (repeats) shows the fastest / smallest.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from .compare import best_other, group_side_by_side, mode_rank
+from .records import BenchRecord
+
+__all__ = ["plot_workload", "slug"]
+
+PLOT_KINDS = ("tokens_per_s", "speedup", "peak_mem")
+
+
+def slug(name: str) -> str:
+    """File-name-safe form of a workload name."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "workload"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    plt.rcParams["svg.hashsalt"] = "specforge-csbp"
+    return plt
+
+
+def _ctx_label(n: int) -> str:
+    if n >= 1 << 20 and n % (1 << 20) == 0:
+        return f"{n >> 20}M"
+    if n >= 1 << 10 and n % (1 << 10) == 0:
+        return f"{n >> 10}K"
+    return str(n)
+
+
+def _series_label(r: BenchRecord, vary: dict[str, bool], with_mode: bool = True) -> str:
+    parts = [r.mode] if with_mode else []
+    if vary["world_size"]:
+        parts.append(f"P={r.world_size}")
+    if vary["block_size"]:
+        parts.append(f"S={r.block_size}")
+    if vary["device"]:
+        parts.append(r.device)
+    if vary["date"]:
+        parts.append(r.date)
+    return " ".join(parts) or "csbp"
+
+
+def _save(plt, fig, ax, path: Path, contexts: list[int], title: str, ylabel: str) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(contexts, [_ctx_label(c) for c in contexts])
+    ax.minorticks_off()
+    ax.set_xlabel("context length (clean tokens)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    # No Software/date metadata: the PNG depends only on the records (and the matplotlib version).
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+
+
+def _lines(points: dict[str, dict[int, float]], ax, sort_key) -> None:
+    for label in sorted(points, key=sort_key):
+        xs = sorted(points[label])
+        ax.plot(xs, [points[label][x] for x in xs], marker="o", label=label)
+
+
+def plot_workload(records: list[BenchRecord], workload: str, img_dir: str | Path) -> dict[str, Path]:
+    """Write the plots of `workload` that have data; returns {kind: path}."""
+    recs = [r for r in records if r.workload == workload]
+    ok = [r for r in recs if r.status == "ok"]
+    img_dir = Path(img_dir)
+    vary = {f: len({getattr(r, f) for r in recs}) > 1 for f in ("world_size", "block_size", "device", "date")}
+    out: dict[str, Path] = {}
+    if not ok:
+        return out
+    plt = _pyplot()
+    img_dir.mkdir(parents=True, exist_ok=True)
+    labels: dict[str, BenchRecord] = {}
+
+    def series(metric: str, better) -> dict[str, dict[int, float]]:
+        pts: dict[str, dict[int, float]] = {}
+        for r in ok:
+            value = getattr(r, metric)
+            if value is None:
+                continue
+            label = _series_label(r, vary)
+            labels.setdefault(label, r)
+            old = pts.setdefault(label, {}).get(r.context_len)
+            pts[label][r.context_len] = value if old is None else better(old, value)
+        return pts
+
+    def order(label: str):
+        r = labels[label]
+        return (mode_rank(r.mode), r.world_size, r.block_size, r.device, r.date, label)
+
+    for kind, metric, better, ylabel in (
+        ("tokens_per_s", "tokens_per_s", max, "supervised tokens / s (whole job)"),
+        ("peak_mem", "peak_mem_gib", min, "peak memory per GPU (GiB, max over ranks)"),
+    ):
+        pts = series(metric, better)
+        if not pts:
+            continue
+        contexts = sorted({c for p in pts.values() for c in p})
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        _lines(pts, ax, order)
+        path = img_dir / f"{slug(workload)}_{kind}.png"
+        _save(plt, fig, ax, path, contexts, f"{workload}: {ylabel.split(' (')[0]}", ylabel)
+        out[kind] = path
+
+    # Speedup: only side-by-side groups (compare.py), CSBP over the fastest other mode of the group.
+    spd: dict[str, dict[int, float]] = {}
+    for by_mode in group_side_by_side(recs).values():
+        csbp = [r for r in by_mode.get("csbp", []) if r.status == "ok" and r.tokens_per_s]
+        other = best_other(by_mode)
+        if not csbp or other is None or not other[1].tokens_per_s:
+            continue
+        best_csbp = max(csbp, key=lambda r: r.tokens_per_s or 0.0)
+        label = _series_label(best_csbp, vary, with_mode=False)
+        labels.setdefault(label, best_csbp)
+        spd.setdefault(label, {})[best_csbp.context_len] = best_csbp.tokens_per_s / other[1].tokens_per_s
+    if spd:
+        contexts = sorted({c for p in spd.values() for c in p})
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        _lines(spd, ax, order)
+        ax.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
+        path = img_dir / f"{slug(workload)}_speedup.png"
+        _save(plt, fig, ax, path, contexts, f"{workload}: CSBP speedup over the best other mode",
+              "tokens/s of CSBP / best non-CSBP")  # fmt: skip
+        out["speedup"] = path
+    return out

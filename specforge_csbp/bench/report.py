@@ -1,0 +1,211 @@
+"""Render records into a markdown report (tables, speedups, commands, plot links) and a CSV.
+
+The report is a pure function of the records (sorted, no clock): rendering twice gives the same bytes.
+
+    # Benchmarks
+    ## <workload>                       one section per workload, sorted by name
+      ![plots](img/<workload>_*.png)
+      | mode | world_size | context_len | ... | status | extras... | run |     all records
+      | context_len | world_size | block_size | ... | speedup over cp | ... |   CSBP vs each mode
+      runs: [n] device, date: `command`                                        every distinct command
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .compare import extra_fields, group_side_by_side, mode_rank, speedups
+from .plots import plot_workload
+from .records import BenchRecord, load_records
+
+__all__ = ["render_markdown", "write_csv", "write_report", "format_value", "record_sort_key", "CSV_FIELDS"]
+
+# Table columns (field, header); attention-only columns appear when a workload's records carry them.
+CORE_COLUMNS = (
+    ("mode", "mode"), ("world_size", "world_size"), ("context_len", "context_len"),
+    ("block_size", "block_size"), ("step_ms", "step_ms"), ("tokens_per_s", "tokens/s"),
+    ("peak_mem_gib", "peak GiB"), ("status", "status"),
+)  # fmt: skip
+OPTIONAL_COLUMNS = (("useful_tflops_per_gpu", "useful TFLOP/s/GPU"), ("exposed_comm_ms", "exposed comm ms"))
+RUN_FIELDS = ("device", "date", "command")
+CSV_FIELDS = tuple(BenchRecord.model_fields)
+
+
+def format_value(value: Any) -> str:
+    """Compact, deterministic cell text."""
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        if value != value:  # NaN
+            return "nan"
+        a = abs(value)
+        if a >= 1000:
+            return f"{value:,.0f}"
+        if a >= 10:
+            return f"{value:.1f}"
+        if a >= 0.01 or a == 0:
+            return f"{value:.3g}" if a < 1 else f"{value:.2f}"
+        return f"{value:.2e}"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def record_sort_key(r: BenchRecord) -> tuple:
+    return (r.workload, r.device, r.date, r.context_len, r.world_size, r.block_size, mode_rank(r.mode),
+            r.status, r.model_dump_json())  # fmt: skip
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def _workload_section(recs: list[BenchRecord], plots: dict[str, Path], doc_dir: Path) -> list[str]:
+    workload = recs[0].workload
+    lines = [f"## {workload}", ""]
+    ok = sum(r.status == "ok" for r in recs)
+    oom = sum(r.status == "oom" for r in recs)
+    err = sum(r.status == "error" for r in recs)
+    lines += [f"{len(recs)} records: {ok} ok, {oom} oom, {err} error.", ""]
+    captions = {"tokens_per_s": "tokens/s vs context", "speedup": "CSBP speedup over the best non-CSBP mode",
+                "peak_mem": "peak memory vs context"}  # fmt: skip
+    for kind in ("tokens_per_s", "speedup", "peak_mem"):
+        if kind in plots:
+            rel = Path(os.path.relpath(plots[kind], doc_dir)).as_posix()
+            lines.append(f"![{workload}: {captions[kind]}]({rel})")
+    if plots:
+        lines.append("")
+
+    # Runs: one entry per distinct (device, date, command), numbered in order of first appearance.
+    runs: dict[tuple[str, str, str], int] = {}
+    for r in recs:
+        runs.setdefault((r.device, r.date, r.command), len(runs) + 1)
+
+    optional = [(f, h) for f, h in OPTIONAL_COLUMNS if any(getattr(r, f) is not None for r in recs)]
+    extras = extra_fields(recs)
+    header = [h for _, h in CORE_COLUMNS] + [h for _, h in optional] + extras + ["run"]
+    rows = []
+    for r in recs:
+        extra = r.model_extra or {}
+        row = [format_value(getattr(r, f)) for f, _ in CORE_COLUMNS + tuple(optional)]
+        row += [format_value(extra.get(name)) for name in extras]
+        row.append(f"[{runs[(r.device, r.date, r.command)]}]")
+        rows.append(row)
+    lines += ["### All records", ""] + _table(header, rows) + [""]
+
+    spd = speedups(recs)
+    if spd:
+        others = sorted({s.other_mode for s in spd}, key=mode_rank)
+        by_key: dict[tuple, dict[str, str]] = {}
+        base: dict[tuple, BenchRecord] = {}
+        for s in spd:
+            by_key.setdefault(s.key, {})[s.other_mode] = s.text
+            base[s.key] = s.csbp
+        header = ["context_len", "world_size", "block_size", "device", "date", "CSBP tokens/s"]
+        header += [f"CSBP / {m}" for m in others]
+        rows = []
+        for key in group_side_by_side(recs):
+            if key not in by_key:
+                continue
+            c = base[key]
+            row = [str(c.context_len), str(c.world_size), str(c.block_size), format_value(c.device),
+                   format_value(c.date), format_value(c.tokens_per_s)]  # fmt: skip
+            row += [by_key[key].get(m, "—") for m in others]
+            rows.append(row)
+        rows.sort(key=lambda row: (row[3], row[4], int(row[1]), int(row[2]), int(row[0])))
+        lines += [
+            "### CSBP speedup, measured side by side",
+            "",
+            "Computed from the records above: same workload, context, world size, block size, date and device "
+            "(tokens/s of CSBP over tokens/s of the other mode; the fastest ok record when a mode was repeated; "
+            "`<mode> oom` where the other mode did not fit).",
+            "",
+        ]
+        lines += _table(header, rows) + [""]
+
+    lines += ["### Runs", ""]
+    for (device, date, command), n in runs.items():
+        lines.append(f"{n}. {device}, {date}: `{command}`")
+    lines.append("")
+    return lines
+
+
+def render_markdown(
+    records: list[BenchRecord],
+    *,
+    doc_path: str | Path,
+    img_dir: str | Path | None = None,
+    title: str = "Benchmarks",
+    source: str = "benchmarks/results/",
+    generator: str = "specforge-csbp report",
+) -> str:
+    """The whole report as markdown; writes the PNGs into img_dir (default: <doc dir>/img)."""
+    doc_dir = Path(doc_path).parent
+    img_dir = Path(img_dir) if img_dir is not None else doc_dir / "img"
+    records = sorted(records, key=record_sort_key)
+    lines = [
+        f"# {title}",
+        "",
+        f"Generated by `{generator}` from {len(records)} records in `{source}` (schema: "
+        "`specforge_csbp/bench/records.py`). Do not edit by hand: every table, speedup and plot is "
+        "recomputed from the records.",
+        "",
+    ]
+    workloads = sorted({r.workload for r in records})
+    if not workloads:
+        lines += ["No records yet.", ""]
+    for w in workloads:
+        recs = [r for r in records if r.workload == w]
+        plots = plot_workload(recs, w, img_dir)
+        lines += _workload_section(recs, plots, doc_dir)
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def write_csv(records: list[BenchRecord], path: str | Path) -> None:
+    """One row per record: the schema's fields, then every extra field (JSON for lists/dicts)."""
+    records = sorted(records, key=record_sort_key)
+    extras = extra_fields(records)
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(list(CSV_FIELDS) + extras)
+    for r in records:
+        data = r.model_dump()
+        row = [data.get(f) for f in CSV_FIELDS] + [data.get(f) for f in extras]
+        writer.writerow(["" if v is None else json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v
+                         for v in row])  # fmt: skip
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(buf.getvalue())
+
+
+def write_report(
+    results: str | Path | list[str | Path],
+    doc_path: str | Path,
+    *,
+    img_dir: str | Path | None = None,
+    csv_path: str | Path | None = None,
+    title: str = "Benchmarks",
+    generator: str = "specforge-csbp report",
+) -> list[BenchRecord]:
+    """Load every record under `results`, write the markdown (and optionally the CSV); returns the records."""
+    paths = results if isinstance(results, list) else [results]
+    existing = [p for p in paths if Path(p).exists()]
+    records = load_records(existing) if existing else []
+    source = ", ".join(Path(p).as_posix().rstrip("/") + ("/" if Path(p).is_dir() else "") for p in paths)
+    text = render_markdown(records, doc_path=doc_path, img_dir=img_dir, title=title, source=source,
+                           generator=generator)  # fmt: skip
+    Path(doc_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(doc_path).write_text(text)
+    if csv_path is not None:
+        write_csv(records, csv_path)
+    return records

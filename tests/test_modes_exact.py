@@ -1,0 +1,79 @@
+"""CSBP, CP and BP equal the single-process reference (out, lse, dq, dk, dv) on gloo ranks, float64.
+
+One spawn per world size runs the whole case matrix; results come back as JSON.
+"""
+
+import json
+import os
+
+import pytest
+
+from specforge_csbp.distributed import spawn
+from specforge_csbp.layout.zigzag import ZigzagShards
+from specforge_csbp.parallel.check import CheckCase, run_check
+
+# (L, S): B = L/S blocks chosen per P to include B % P != 0 and P <= B < 2P.
+SHAPES = {
+    1: [(12, 4), (40, 8)],
+    2: [(12, 4), (40, 8), (36, 4)],  # B = 3 (P <= B < 2P), 5 (odd), 9
+    3: [(16, 4), (40, 4), (28, 4)],  # B = 4 (P <= B < 2P), 10, 7
+    4: [(20, 4), (56, 8), (36, 4)],  # B = 5, 7, 9
+}
+HEADS = [(4, 2), (3, 3)]  # GQA and MHA
+TOL = 1e-10
+
+
+def _cases(world):
+    for mode in ("csbp", "cp", "bp"):
+        for i, (L, S) in enumerate(SHAPES[world]):
+            for rule in ("causal", "bidirectional"):
+                h, k = HEADS[i % 2]
+                yield CheckCase(mode, L, S, heads=h, kv_heads=k, head_dim=8, clean_within_block=rule, batch=2, seed=i)
+
+
+def _worker(rank, world, out_dir):
+    results = []
+    for case in _cases(world):
+        r = run_check(case)
+        if rank == 0:
+            results.append({"case": repr(case), "errors": r.errors, "bytes": r.bytes_sent})
+    if rank == 0:
+        with open(os.path.join(out_dir, "results.json"), "w") as f:
+            json.dump(results, f)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_every_mode_equals_the_reference(world, tmp_path):
+    spawn(_worker, world, str(tmp_path))
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert len(results) == len(list(_cases(world)))
+    for res in results:
+        for name, err in res["errors"].items():
+            assert err <= TOL, f"{res['case']}: {name} max relative error {err:.3e}"
+
+
+def _bytes_worker(rank, world, out_dir):
+    out = {}
+    for mode in ("csbp", "cp", "bp"):
+        r = run_check(CheckCase(mode, 48, 4, heads=4, kv_heads=2, head_dim=8, batch=1))
+        if rank == 0:
+            out[mode] = r.bytes_sent
+    if rank == 0:
+        with open(os.path.join(out_dir, "bytes.json"), "w") as f:
+            json.dump(out, f)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_csbp_moves_only_clean_kv_and_cp_moves_both_copies(world, tmp_path):
+    spawn(_bytes_worker, world, str(tmp_path))
+    sent = json.loads((tmp_path / "bytes.json").read_text())
+    L, S, kv_heads, head_dim, fp64 = 48, 4, 2, 8, 8
+    zig = ZigzagShards(L, S, world)
+    shard = zig.rank_positions(0).numel()  # 12 blocks: equal shards for P = 2, 3, 4
+    assert all(zig.rank_positions(r).numel() == shard for r in range(world))
+    clean_kv_bytes = 2 * shard * kv_heads * head_dim * fp64  # K and V of one clean shard
+    for rank in range(world):
+        # forward: my clean K/V to each other rank; backward: their dK/dV shards back to their owners
+        assert sent["csbp"][rank] == {"all_gather": (world - 1) * clean_kv_bytes, "reduce_scatter": (world - 1) * clean_kv_bytes}
+        assert sent["cp"][rank] == {k: 2 * v for k, v in sent["csbp"][rank].items()}  # both copies
+        assert sent["bp"][rank] == {}

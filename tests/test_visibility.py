@@ -1,0 +1,70 @@
+"""The one rule against a loop-based transcription of design.md section 1."""
+
+import itertools
+
+import pytest
+import torch
+
+from specforge_csbp.layout import CLEAN, NOISY, TokenSet, bdlm_plan
+from specforge_csbp.masks import Visibility
+
+
+def rule_by_loops(L, S, bidirectional):
+    """Spelled out per (query, key) pair over the 2L sequence, as design.md states it."""
+    n = 2 * L
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for qi, ki in itertools.product(range(n), range(n)):
+        q_clean, k_clean = qi < L, ki < L
+        qp, kp = qi % L, ki % L
+        qb, kb = qp // S, kp // S
+        if q_clean and k_clean:
+            ok = kb < qb or (kb == qb and (bidirectional or kp <= qp))
+        elif not q_clean and not k_clean:
+            ok = kb == qb
+        elif not q_clean and k_clean:
+            ok = kb < qb
+        else:  # clean query, corrupted key: never
+            ok = False
+        mask[qi, ki] = ok
+    return mask
+
+
+@pytest.mark.parametrize("L,S", [(8, 4), (12, 3), (10, 1), (16, 16)])
+@pytest.mark.parametrize("rule", ["causal", "bidirectional"])
+def test_dense_mask_equals_the_rule(L, S, rule):
+    plan = bdlm_plan("reference", L, S, 1)[0]
+    vis = Visibility(plan.q_tokens, plan.kv_tokens, S, rule)
+    assert torch.equal(vis.dense(), rule_by_loops(L, S, rule == "bidirectional"))
+
+
+def test_mask_mod_equals_dense_mask():
+    plan = bdlm_plan("reference", 12, 4, 1)[0]
+    vis = Visibility(plan.q_tokens, plan.kv_tokens, 4, "causal")
+    mod = vis.mask_mod("cpu")
+    q_idx, k_idx = torch.meshgrid(torch.arange(24), torch.arange(24), indexing="ij")
+    assert torch.equal(mod(0, 0, q_idx, k_idx), vis.dense())
+
+
+def test_dflash_blocks_see_context_before_their_anchor_and_their_own_block():
+    # context: clean tokens at positions 0..9; two draft blocks of 3 anchored at positions 4 and 7
+    ctx = TokenSet(torch.arange(10), torch.full((10,), CLEAN), torch.zeros(10, dtype=torch.long), torch.zeros(10, dtype=torch.long))
+    anchors = [4, 7]
+    pos = torch.tensor([a + k for a in anchors for k in range(3)])
+    block = torch.tensor([i for i in range(2) for _ in range(3)])
+    start = torch.tensor([a for a in anchors for _ in range(3)])
+    draft = TokenSet(pos, torch.full((6,), NOISY), block, start)
+    vis = Visibility(draft, TokenSet.cat([ctx, draft]), 3)
+    m = vis.dense()
+    for row in range(6):
+        a = anchors[row // 3]
+        assert m[row, :10].tolist() == [p < a for p in range(10)]
+        assert m[row, 10:].tolist() == [(c // 3) == (row // 3) for c in range(6)]
+
+
+def test_pad_keys_are_never_visible_and_bad_rule_is_named():
+    plan = bdlm_plan("reference", 8, 4, 1)[0]
+    hidden = torch.ones(16, dtype=torch.bool)
+    vis = Visibility(plan.q_tokens, plan.kv_tokens.masked(hidden), 4)
+    assert not vis.dense().any()
+    with pytest.raises(ValueError, match="clean_within_block must be one of causal, bidirectional"):
+        Visibility(plan.q_tokens, plan.kv_tokens, 4, "full")
