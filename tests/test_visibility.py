@@ -68,3 +68,11 @@ def test_pad_keys_are_never_visible_and_bad_rule_is_named():
     assert not vis.dense().any()
     with pytest.raises(ValueError, match="clean_within_block must be one of causal, bidirectional"):
         Visibility(plan.q_tokens, plan.kv_tokens, 4, "full")
+
+
+@pytest.mark.parametrize("L,S", [(8, 4), (12, 3), (10, 1), (32, 8)])
+@pytest.mark.parametrize("rule", ["causal", "bidirectional"])
+def test_visible_pair_count_formula_equals_the_mask(L, S, rule):
+    from specforge_csbp.layout.cost import bdlm_visible_pairs
+
+    assert bdlm_visible_pairs(L, S, rule) == int(rule_by_loops(L, S, rule == "bidirectional").sum())

@@ -1,0 +1,24 @@
+"""Exact counts of visible (query, key) pairs: the useful work of BDLM attention.
+
+For L = B*S clean tokens:
+    clean queries, causal rule:        L (L + 1) / 2
+    clean queries, bidirectional rule: S^2 B (B + 1) / 2
+    corrupted queries:                 S^2 B (own blocks)  +  S^2 B (B - 1) / 2 (clean prefixes)
+Attention FLOPs: 4 D per pair per head forward (QK^T and PV), 2.5x that backward (5 matmuls vs 2).
+"""
+
+from __future__ import annotations
+
+__all__ = ["bdlm_visible_pairs", "attention_flops"]
+
+
+def bdlm_visible_pairs(seq_len: int, block_size: int, clean_within_block: str = "causal") -> int:
+    b, s = seq_len // block_size, block_size
+    clean = seq_len * (seq_len + 1) // 2 if clean_within_block == "causal" else s * s * b * (b + 1) // 2
+    noisy = s * s * b + s * s * b * (b - 1) // 2
+    return clean + noisy
+
+
+def attention_flops(pairs: int, heads: int, head_dim: int, *, backward: bool = True) -> float:
+    forward = 4.0 * head_dim * heads * pairs
+    return forward * (3.5 if backward else 1.0)
