@@ -1,0 +1,1 @@
+"""Draft models trained by specforge-csbp (DFlash / DFlash2, `models/dflash/`)."""

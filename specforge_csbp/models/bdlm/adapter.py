@@ -1,0 +1,159 @@
+"""`BDLMModel`: a Hugging Face causal LM run as a block-diffusion LM on the 2L representation.
+
+Each rank feeds only its own rows of the 2L sequence (clean copy x0 then corrupted copy xt, shared
+position ids); `plan.q_rows` says which, `plan.q_tokens.pos` gives their positions:
+
+    reference rows:  x0[0] ... x0[L-1] | xt[0] ... xt[L-1]        positions 0..L-1 | 0..L-1
+    csbp rank r:     clean zigzag shard of r + corrupted blocks owned by r   (plan.q_rows)
+
+Embeddings, projections, norms, MLPs and the final norm are token-wise and run on the local rows only;
+attention goes through `routing.routed_attention` -> `ShardedAttention(plan)`. The output is the final
+hidden state of the local rows; the LM head is applied inside the chunked loss (`head()`), never as
+[tokens, vocab] logits.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...masks.visibility import CLEAN_RULES
+from ...parallel import ShardedAttention, bdlm_attention
+from .routing import ATTENTION_NAME, ROUTE_KWARG, Route, check_routable, register_attention
+
+__all__ = ["BDLMModel"]
+
+
+def _set_attention(lm: nn.Module, name: str) -> None:
+    """Point every (sub-)config of the model at attention implementation `name`."""
+    from transformers import PretrainedConfig
+
+    for module in lm.modules():
+        config = getattr(module, "config", None)
+        if isinstance(config, PretrainedConfig):
+            config._attn_implementation = name
+
+
+def _positions_seen(plan) -> int:
+    """1 + the largest position among this rank's keys and gathered keys (the sequence length for CP/CSBP)."""
+    pos = torch.cat([plan.kv_tokens.pos, plan.remote_kv_tokens.pos, torch.zeros(1, dtype=torch.long)])
+    return int(pos.max()) + 1
+
+
+class BDLMModel(nn.Module):
+    """A causal LM (`lm`, e.g. Qwen3ForCausalLM) whose attention follows the BDLM visibility rule."""
+
+    def __init__(
+        self, lm: nn.Module, *, block_size: int, clean_within_block: str = "causal", backend: str = "auto"
+    ):
+        super().__init__()
+        if block_size < 1:
+            raise ValueError(f"model.block_size must be >= 1, got {block_size}")
+        if clean_within_block not in CLEAN_RULES:
+            raise ValueError(
+                f"model.clean_within_block must be one of {', '.join(CLEAN_RULES)}; "
+                f"got {clean_within_block!r}"
+            )
+        check_routable(lm)
+        register_attention()
+        _set_attention(lm, ATTENTION_NAME)
+        self.lm = lm
+        self.block_size = block_size
+        self.clean_within_block = clean_within_block
+        self.backend = backend
+        self._attention: dict[Any, ShardedAttention] = {}
+        self._seq_lens: weakref.WeakKeyDictionary[ShardedAttention, int] = weakref.WeakKeyDictionary()
+
+    # -- construction ------------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config: Any, *, dtype: torch.dtype | None = None, **kwargs: Any) -> BDLMModel:
+        """Random weights from a transformers config or a dict with `model_type` (e.g. tiny Qwen3)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if isinstance(config, dict):
+            config = dict(config)
+            model_type = config.pop("model_type", None)
+            if model_type is None:
+                raise ValueError("model.config must name its model_type (e.g. qwen3, llama)")
+            config = AutoConfig.for_model(model_type, **config)
+        lm = AutoModelForCausalLM.from_config(config)
+        if dtype is not None:
+            lm = lm.to(dtype)
+        return cls(lm, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, dtype: torch.dtype | None = None, **kwargs: Any) -> BDLMModel:
+        from transformers import AutoModelForCausalLM
+
+        lm = AutoModelForCausalLM.from_pretrained(path, **({"dtype": dtype} if dtype is not None else {}))
+        return cls(lm, **kwargs)
+
+    # -- properties ----------------------------------------------------------------------------------
+    @property
+    def config(self):
+        return self.lm.config
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids valid for both the input embedding and the LM head."""
+        return min(
+            self.lm.get_input_embeddings().num_embeddings, self.lm.get_output_embeddings().out_features
+        )
+
+    def head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight [V, H], bias [V] or None) of the LM head, for the chunked loss."""
+        head = self.lm.get_output_embeddings()
+        return head.weight, head.bias
+
+    def enable_activation_checkpointing(self) -> None:
+        """Checkpoint every decoder layer (non-reentrant, so keyword inputs such as the route survive)."""
+        enable = getattr(self.lm, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:  # transformers < 5
+            self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def attention(
+        self, mode: str, seq_len: int, group: dist.ProcessGroup | None = None, *, communicate: bool = True
+    ) -> ShardedAttention:
+        """This rank's executor for sequences of `seq_len` clean tokens (cached: masks are built once).
+        `communicate=False` is the benchmarks' control: same buffers and compute, no collectives."""
+        key = (mode, seq_len, group, self.backend, communicate)
+        if key not in self._attention:
+            self._attention[key] = bdlm_attention(
+                mode, seq_len, self.block_size, group=group, clean_within_block=self.clean_within_block,
+                backend=self.backend, communicate=communicate,
+            )  # fmt: skip
+            self._seq_lens[self._attention[key]] = seq_len
+        return self._attention[key]
+
+    # -- forward ---------------------------------------------------------------------------------------
+    def clear_attention_cache(self) -> None:
+        self._attention.clear()
+
+    def forward(self, input_ids: torch.Tensor, attention: ShardedAttention) -> torch.Tensor:
+        """input_ids [B, N_local] (this rank's rows, in plan.q_rows order) -> final hidden [B, N_local, H].
+
+        `attention` is this rank's executor (`attention()`), or anything with its `.plan` and signature."""
+        plan = attention.plan
+        if input_ids.dim() != 2 or input_ids.shape[1] != len(plan.q_rows):
+            raise ValueError(
+                f"input_ids must be [batch, {len(plan.q_rows)}] (this rank's rows); "
+                f"got {tuple(input_ids.shape)}"
+            )
+        route = Route(attention, seq_len=self._seq_lens.get(attention) or _positions_seen(plan))
+        positions = plan.q_tokens.pos.to(input_ids.device)[None].expand(input_ids.shape[0], -1)
+        out = self.lm.base_model(
+            input_ids=input_ids, position_ids=positions, use_cache=False, **{ROUTE_KWARG: route}
+        )
+        layers = getattr(self.lm.config, "num_hidden_layers", None)
+        if layers is not None and route.calls != layers:
+            raise ValueError(
+                f"model: {type(self.lm).__name__} routed {route.calls} of {layers} attention layers through "
+                f"{ATTENTION_NAME!r}; its attention cannot be routed"
+            )
+        return out.last_hidden_state

@@ -1,0 +1,89 @@
+"""Token sources for BDLM training: sequence `i` of the job is a pure function of i (no state, no files
+written), so every rank of a CP group builds the same clean batch and any DP split sees the same data.
+
+    synthetic   learnable arithmetic ramps (x_j = a + k*j over the allowed ids), optional prompt prefix
+    jsonl       one {"input_ids": [...], "loss_mask": [...]?} per line; truncated / right-padded with
+                pad_token_id to max_length (pad tokens get loss_mask 0; max_length must be a multiple of
+                the block size, so padding never changes the block grid)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from ...objectives.noise import sequence_seed
+
+__all__ = ["JsonlSource", "SyntheticSource", "TokenSource"]
+
+
+class TokenSource(Protocol):
+    def get(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids [n, L] long, loss_mask [n, L] bool) for global sequence ids `indices`."""
+
+
+class SyntheticSource:
+    def __init__(self, *, vocab_size: int, seq_len: int, prompt_len: int = 0, reserved: Sequence[int] = (),
+                 seed: int = 0):  # fmt: skip
+        if not 0 <= prompt_len < seq_len:
+            raise ValueError(f"data.prompt_len must be in [0, max_length={seq_len}); got {prompt_len}")
+        keep = torch.ones(vocab_size, dtype=torch.bool)
+        keep[[r for r in reserved if 0 <= r < vocab_size]] = False
+        self.allowed = keep.nonzero().flatten()
+        if len(self.allowed) < 2:
+            raise ValueError(f"data: synthetic data needs >= 2 usable token ids, vocab_size={vocab_size}")
+        self.seq_len, self.prompt_len, self.seed = seq_len, prompt_len, seed
+
+    def get(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(self.allowed)
+        rows = []
+        for i in indices:
+            gen = torch.Generator().manual_seed(sequence_seed(self.seed, -1, int(i)))
+            start = int(torch.randint(n, (1,), generator=gen))
+            stride = int(torch.randint(1, min(n, 5), (1,), generator=gen))
+            rows.append(self.allowed[(start + stride * torch.arange(self.seq_len)) % n])
+        ids = torch.stack(rows)
+        mask = torch.ones_like(ids, dtype=torch.bool)
+        mask[:, : self.prompt_len] = False
+        return ids, mask
+
+
+class JsonlSource:
+    def __init__(self, path: str | Path, *, seq_len: int, pad_token_id: int, vocab_size: int):
+        self.records: list[tuple[list[int], list[int]]] = []
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError as err:
+            raise ValueError(f"data.path: cannot read {path}: {err.strerror}") from None
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+                ids = [int(t) for t in item["input_ids"]]
+                mask = [int(bool(m)) for m in item.get("loss_mask", [1] * len(ids))]
+            except (ValueError, KeyError, TypeError) as err:
+                raise ValueError(f"data.path: {path}:{n} needs an input_ids list ({err})") from None
+            if len(mask) != len(ids):
+                raise ValueError(
+                    f"data.path: {path}:{n} loss_mask has {len(mask)} entries, input_ids {len(ids)}"
+                )
+            if any(not 0 <= t < vocab_size for t in ids):
+                raise ValueError(f"data.path: {path}:{n} has token ids outside [0, {vocab_size})")
+            self.records.append((ids[:seq_len], mask[:seq_len]))
+        if not self.records:
+            raise ValueError(f"data.path: {path} has no records")
+        self.seq_len, self.pad = seq_len, pad_token_id
+
+    def get(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.full((len(indices), self.seq_len), self.pad, dtype=torch.long)
+        mask = torch.zeros(len(indices), self.seq_len, dtype=torch.bool)
+        for row, i in enumerate(indices):
+            toks, m = self.records[int(i) % len(self.records)]
+            ids[row, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+            mask[row, : len(m)] = torch.tensor(m, dtype=torch.bool)
+        return ids, mask

@@ -1,0 +1,132 @@
+"""Route every attention layer of a transformers model through this rank's `ShardedAttention`.
+
+transformers models that use the attention interface call
+
+    ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, q, k, v, mask, scaling=..., **kwargs)
+
+in every layer, after their own q/k/v projections, q/k norms and RoPE. We register one function under
+`ATTENTION_NAME` and pass the rank's executor as a forward keyword (`ROUTE_KWARG`), which transformers
+hands unchanged to every layer's attention call - so no model code is forked:
+
+    embed ─► [ q/k/v proj, norms, RoPE(pos) ─► routed_attention ─► o_proj ─► MLP ] x layers ─► norm
+              token-wise, local rows only       ShardedAttention(plan):      token-wise, local
+                                                local + gathered K/V, merged
+
+Models we cannot route fail with one line naming the model and the reason (`check_routable`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ...parallel import ShardedAttention
+
+__all__ = [
+    "ATTENTION_NAME",
+    "ROUTE_KWARG",
+    "Route",
+    "check_routable",
+    "register_attention",
+    "routed_attention",
+]
+
+ATTENTION_NAME = "specforge_csbp"
+ROUTE_KWARG = "csbp_route"
+
+# Config fields that change the attention or logits in ways the visibility rule / linear CE do not model.
+_UNSUPPORTED_CONFIG = {
+    "attn_logit_softcapping": "attention logit soft-capping",
+    "final_logit_softcapping": "final logit soft-capping",
+    "logit_scale": "a logit scale",
+    "logits_scaling": "a logit scale",
+}
+
+
+@dataclass
+class Route:
+    """What one forward routes: the rank's executor, the sequence length, and a call counter that proves
+    every layer went through it (a model that bypasses the interface in some layer is caught)."""
+
+    attention: ShardedAttention
+    seq_len: int
+    calls: int = 0
+
+
+def routed_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The registered attention function: SDPA layout in ([B, H, N, D]), [B, N, H, D] out."""
+    route = kwargs.get(ROUTE_KWARG)
+    name = type(module).__name__
+    if route is None:
+        raise RuntimeError(
+            f"{name}: attention implementation {ATTENTION_NAME!r} needs a BDLM plan; run the model through "
+            f"specforge_csbp.models.bdlm.BDLMModel (or set config._attn_implementation back to 'sdpa')"
+        )
+    window = kwargs.get("sliding_window")
+    if window is not None and window < route.seq_len:
+        raise ValueError(
+            f"model: {name} uses sliding_window={window} < seq_len={route.seq_len}; cannot be routed"
+        )
+    for field in ("softcap", "s_aux", "position_bias"):
+        if kwargs.get(field) is not None:
+            raise ValueError(
+                f"model: {name} passes {field} to its attention; cannot be routed (full softmax only)"
+            )
+    if dropout:
+        raise ValueError(f"model: {name} has attention dropout {dropout}; set config.attention_dropout=0")
+    # Under autocast the projections are low precision but q/k norms and RoPE may promote q, k to fp32.
+    dtype = (
+        torch.get_autocast_dtype(query.device.type)
+        if torch.is_autocast_enabled(query.device.type)
+        else query.dtype
+    )
+    query, key, value = (t.to(dtype) for t in (query, key, value))
+    route.calls += 1
+    out, _ = route.attention(query, key, value, scale=scaling)
+    return out.transpose(1, 2), None
+
+
+def register_attention() -> None:
+    """Register `routed_attention` under `ATTENTION_NAME` (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, routed_attention)
+
+
+def check_routable(lm: nn.Module) -> None:
+    """One-line ValueError naming the model and why, for causal LMs whose attention cannot be routed."""
+    name = type(lm).__name__
+    config = getattr(lm, "config", None)
+    if config is None or not hasattr(lm, "get_output_embeddings"):
+        raise ValueError(f"model: {name} is not a transformers causal LM (no config / output embeddings)")
+    if not getattr(lm, "_supports_attention_backend", False):
+        raise ValueError(
+            f"model: {name} does not route attention through transformers' AttentionInterface "
+            f"(_supports_attention_backend=False); use a model that does, e.g. Qwen3 or Llama"
+        )
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"model: {name} is an encoder-decoder; only decoder-only causal LMs can be routed")
+    for field, what in _UNSUPPORTED_CONFIG.items():
+        value = getattr(config, field, None)
+        if value not in (None, 1, 1.0):
+            raise ValueError(f"model: {name} config.{field}={value} applies {what}; cannot be routed")
+    layer_types = getattr(config, "layer_types", None) or []
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other:
+        raise ValueError(
+            f"model: {name} config.layer_types has {other}; only full_attention layers can be routed"
+        )
+    head = lm.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"model: {name} output embeddings are {type(head).__name__}, expected nn.Linear")

@@ -1,0 +1,169 @@
+"""BDLM training as a `Workload` of the generic trainer (training/workload.py).
+
+Per step and micro batch, every rank of a CP group builds the same clean sequences and samples the same
+noise (seeded by (seed, step, global sequence id)), builds the full 2L batch, and keeps its own rows:
+
+    clean [n, L] ──objective.build──► 2L batch [n', 2L] ──shard(plan)──► this rank's rows ──► model ──► CE
+                   (noise from seeds)                     (q_rows; replicas carry no loss)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ...objectives.convert import ConvertObjective
+from ...objectives.noise import BDLMBatch, sequence_seed
+from ...objectives.sft import SFTObjective
+from .adapter import BDLMModel
+from .data import TokenSource
+
+__all__ = ["BDLMMicroBatch", "BDLMWorkload", "bdlm_model_flops"]
+
+
+@dataclass
+class BDLMMicroBatch:
+    batch: BDLMBatch  # this rank's rows, on the training device
+    denominator: float  # this rank's share of the global denominator
+
+
+def _visible_pairs(seq_len: int, block_size: int, clean_within_block: str) -> int:
+    """Attention (query, key) pairs of one 2L sequence under the visibility rule."""
+    blocks = seq_len // block_size
+    s2 = block_size * block_size
+    clean = (
+        seq_len * (seq_len + 1) // 2 if clean_within_block == "causal" else s2 * blocks * (blocks + 1) // 2
+    )
+    noisy = blocks * s2 + s2 * blocks * (blocks - 1) // 2
+    return clean + noisy
+
+
+def bdlm_model_flops(model: BDLMModel, *, seq_len: int, sequences: int, supervised_rows: float) -> float:
+    """Model FLOPs (fwd + bwd, no recompute) of `sequences` 2L sequences: 6 x matmul params x rows, the
+    attention pairs (4 x pairs x head_dim x heads forward, twice that backward) and the LM head on the
+    supervised rows only."""
+    cfg = model.config
+    embeddings = {id(model.lm.get_input_embeddings().weight), id(model.lm.get_output_embeddings().weight)}
+    linear = sum(
+        m.weight.numel()
+        for m in model.lm.modules()
+        if isinstance(m, nn.Linear) and id(m.weight) not in embeddings
+    )
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    pairs = _visible_pairs(seq_len, model.block_size, model.clean_within_block)
+    rows = 2 * seq_len * sequences
+    vocab, hidden = model.lm.get_output_embeddings().weight.shape
+    return (
+        6.0 * linear * rows
+        + 12.0 * pairs * head_dim * heads * cfg.num_hidden_layers * sequences
+        + 6.0 * vocab * hidden * supervised_rows
+    )
+
+
+class BDLMWorkload:
+    def __init__(
+        self,
+        *,
+        make_model: Callable[[], BDLMModel],
+        objective: SFTObjective | ConvertObjective,
+        source: TokenSource,
+        seq_len: int,
+        exclude_mask_from_softmax: bool = False,
+        ce_chunk_size: int = 4096,
+    ):
+        if seq_len % objective.block_size:
+            raise ValueError(
+                f"data.max_length ({seq_len}) must be a multiple of model.block_size ({objective.block_size})"
+            )
+        self.make_model, self.objective, self.source, self.seq_len = make_model, objective, source, seq_len
+        self.exclude_ids = [objective.mask_token_id] if exclude_mask_from_softmax else None
+        self.ce_chunk_size = ce_chunk_size
+        self._attention = None
+        self._model: BDLMModel | None = None
+
+    # -- Workload protocol ------------------------------------------------------------------------------
+    def build_model(self, ctx) -> BDLMModel:
+        model = self.make_model()
+        if model.block_size != self.objective.block_size:
+            raise ValueError(
+                f"model.block_size {model.block_size} != objective block size {self.objective.block_size}"
+            )
+        if not 0 <= self.objective.mask_token_id < model.vocab_size:
+            raise ValueError(
+                f"objective.mask_token_id must be in [0, {model.vocab_size}) (the vocab); "
+                f"got {self.objective.mask_token_id}"
+            )
+        model.backend = ctx.attention_backend
+        self.bind(model, ctx)
+        return model
+
+    def bind(self, model: BDLMModel, ctx, attention=None) -> None:
+        """Use `model` with ctx's CP group and mode (or a given executor, e.g. an instrumented one)."""
+        self._attention = attention or model.attention(ctx.mode, self.seq_len, ctx.cp_group)
+        self._model = model
+
+    def microbatches(self, ctx, step: int) -> Sequence[BDLMMicroBatch]:
+        assert self._attention is not None, "build_model() first"
+        out = []
+        for micro in range(ctx.grad_accum):
+            ids = [ctx.sequence_index(step, micro, i) for i in range(ctx.micro_batch_size)]
+            out.append(self.microbatch(ids, [sequence_seed(ctx.seed, step, i) for i in ids], ctx.device))
+        return out
+
+    def microbatch(self, ids: Sequence[int], seeds: Sequence[int], device: torch.device) -> BDLMMicroBatch:
+        tokens, loss_mask = self.source.get(ids)
+        local = self.objective.build(tokens, loss_mask, seeds).shard(self._attention.plan)
+        return BDLMMicroBatch(local.to(device), local.denominator)
+
+    def loss_numerator(self, model: BDLMModel, batch: BDLMMicroBatch, ctx=None) -> torch.Tensor:
+        hidden = model(batch.batch.input_ids, self._attention)
+        weight, bias = model.head()
+        return batch.batch.loss_numerator(
+            hidden, weight, bias, exclude_ids=self.exclude_ids, chunk_size=self.ce_chunk_size
+        )
+
+    def tokens_per_step(self, ctx) -> int:
+        return ctx.global_batch * self.seq_len
+
+    def flops_per_step(self, ctx) -> float | None:
+        """Expected model FLOPs: SFT supervises a fraction E[t] = (1 + eps) / 2 of the tokens, conversion
+        every token once (over its two views)."""
+        if self._model is None:
+            return None
+        views = self.objective.batch_factor
+        fraction = 1.0 if views == 2 else (1.0 + self.objective.eps) / 2
+        return bdlm_model_flops(
+            self._model, seq_len=self.seq_len, sequences=ctx.global_batch * views,
+            supervised_rows=fraction * ctx.global_batch * self.seq_len,
+        )  # fmt: skip
+
+    # -- checkpoints: a loadable Hugging Face directory ---------------------------------------------------
+    def save_model(self, model: BDLMModel, path: Path) -> None:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # the trainer logs its own lines
+        model.lm.save_pretrained(path, safe_serialization=True)
+
+    def load_model(self, model: BDLMModel, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        state: dict[str, torch.Tensor] = {}
+        for f in sorted(Path(path).glob("*.safetensors")):
+            state.update(load_file(str(f), device=str(next(model.parameters()).device)))
+        missing, unexpected = model.lm.load_state_dict(state, strict=False)
+        tied = {k for k in missing if _is_tied(model.lm, k)}
+        if set(missing) - tied or unexpected:
+            raise ValueError(
+                f"checkpoint {path}: missing {sorted(set(missing) - tied)}, unexpected {unexpected}"
+            )
+
+
+def _is_tied(lm: nn.Module, key: str) -> bool:
+    """True when parameter `key` shares its storage with another parameter that was loaded."""
+    params = dict(lm.named_parameters(remove_duplicate=False))
+    return key in params and any(p is params[key] and k != key for k, p in params.items())

@@ -1,0 +1,143 @@
+"""Recipe configuration: pydantic sections from YAML, with `section.field=value` command-line overrides.
+
+A recipe is one pydantic model whose fields are sections (model, data, objective, parallel, train, ...);
+`ParallelConfig` and `TrainConfig` are the generic ones every workload shares. Unknown fields are errors,
+and every error is one line naming the field:
+
+    specforge-csbp train-bdlm -c recipe.yaml train.lr=3e-4 parallel.cp_degree=2
+    -> train.lr: Input should be a valid number (got 'x')
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "ParallelConfig",
+    "Section",
+    "TrainConfig",
+    "apply_overrides",
+    "format_validation_error",
+    "load_recipe",
+]
+
+R = TypeVar("R", bound=BaseModel)
+
+
+class Section(BaseModel):
+    """A recipe section: unknown fields are errors, values are validated on assignment too."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ParallelConfig(Section):
+    """DP x CP degrees. `cp_degree` is the CSBP / CP / BP group size; dp_degree defaults to world / cp."""
+
+    mode: Literal["csbp", "cp", "bp", "reference"] = "csbp"
+    cp_degree: int = Field(1, ge=1)
+    dp_degree: int | None = Field(None, ge=1)
+    world_size: int = Field(1, ge=1, description="ranks to self-spawn (gloo, CPU); ignored under torchrun")
+    attention_backend: Literal["auto", "dense", "flex"] = "auto"
+
+    @model_validator(mode="after")
+    def _reference_is_one_rank(self) -> ParallelConfig:
+        if self.mode == "reference" and self.cp_degree != 1:
+            raise ValueError(f"mode 'reference' needs cp_degree 1, got {self.cp_degree}")
+        return self
+
+    def degrees(self, world_size: int) -> tuple[int, int]:
+        """(dp, cp) for `world_size` ranks; one-line error when they do not multiply to it."""
+        dp = self.dp_degree if self.dp_degree is not None else world_size // self.cp_degree
+        if world_size % self.cp_degree or dp * self.cp_degree != world_size:
+            raise ValueError(
+                f"parallel: dp_degree x cp_degree = {dp} x {self.cp_degree} must equal the world size "
+                f"{world_size}"
+            )
+        return dp, self.cp_degree
+
+
+class TrainConfig(Section):
+    steps: int = Field(10, ge=1)
+    micro_batch_size: int = Field(1, ge=1, description="sequences per DP replica per micro step")
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(1e-4, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    adam_eps: float = Field(1e-8, gt=0)
+    grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm; null = no clipping")
+    activation_checkpointing: bool = False
+    precision: Literal["auto", "float32", "bfloat16", "float64"] = Field(
+        "auto",
+        description="auto: bf16 autocast on GPU, float32 on CPU; bfloat16 = fp32 weights + bf16 autocast",
+    )
+    seed: int = 0
+    output_dir: str | None = None
+    save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only the last step)")
+    keep_checkpoints: int = Field(2, ge=1)
+    resume: bool = True
+    log_every: int = Field(1, ge=1)
+    progress: bool = True
+    peak_tflops: float | None = Field(None, gt=0, description="per-device peak for MFU (default: known GPUs)")
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested dict, in place."""
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ValueError(f"override {item!r} must look like section.field=value")
+        node = data
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not a section")
+            node = child
+        node[parts[-1]] = _parse_value(value)
+    return data
+
+
+def format_validation_error(err: ValidationError) -> str:
+    """One line: the first error's dotted location, message and input (+ how many more)."""
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "recipe"
+    msg = first["msg"].removeprefix("Value error, ")
+    more = len(err.errors()) - 1
+    shown = repr(first.get("input"))
+    text = f"{loc}: {msg}" + (
+        f" (got {shown[:60]})" if first["type"] != "missing" and "input" in first else ""
+    )
+    return text + (f" (and {more} more)" if more else "")
+
+
+def load_recipe(cls: type[R], path: str | Path | None, overrides: list[str] = ()) -> R:
+    """YAML file (optional) + overrides -> validated recipe; ValueError with one line on any problem."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except OSError as err:
+            raise ValueError(f"config: cannot read {path}: {err.strerror}") from None
+        except yaml.YAMLError as err:
+            raise ValueError(f"config: {path} is not valid YAML: {str(err).splitlines()[0]}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ValueError(f"config: {path} must hold a mapping of sections")
+        data = loaded or {}
+    apply_overrides(data, list(overrides))
+    try:
+        return cls.model_validate(data)
+    except ValidationError as err:
+        raise ValueError(format_validation_error(err)) from None
