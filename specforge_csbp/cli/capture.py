@@ -1,0 +1,141 @@
+"""`specforge-csbp capture`: fill a feature store with a transformers target's hidden states over a jsonl.
+
+    specforge-csbp capture --target Qwen3-8B/ --data train.jsonl --out store/ \\
+        --draft-config drafter.json --max-length 131072 --dtype bfloat16 --device cuda --chunk-size 16384
+
+`--target` is a checkpoint directory, or a config (config.json / a directory without weights) for a random
+target seeded by `--seed` (the tiny quickstart target; `--save-target DIR` writes those weights so training
+loads the same ones). Target layer ids come from `--target-layer-ids 1,3,5` or from the drafter config's
+`dflash_config.target_layer_ids`; id k is the output of decoder layer k (SpecForge/SGLang convention).
+Samples with no two consecutive supervised tokens are skipped (a DFlash anchor needs its next token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from tqdm import tqdm
+
+__all__ = ["register", "run", "parse_layer_ids", "layer_ids_from_draft_config"]
+
+_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def parse_layer_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ValueError(
+            f"--target-layer-ids: expected comma-separated integers like 1,3,5, got {text!r}"
+        ) from None
+
+
+def layer_ids_from_draft_config(path: str) -> list[int]:
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--draft-config: cannot read {path} ({err})") from None
+    ids = (cfg.get("dflash_config") or {}).get("target_layer_ids")
+    if not ids:
+        raise ValueError(f"--draft-config: {path} has no dflash_config.target_layer_ids")
+    return [int(i) for i in ids]
+
+
+def resolve_layer_ids(args: argparse.Namespace) -> list[int]:
+    if (args.target_layer_ids is None) == (args.draft_config is None):
+        raise ValueError("target layers: give exactly one of --target-layer-ids or --draft-config")
+    if args.target_layer_ids is not None:
+        return parse_layer_ids(args.target_layer_ids)
+    return layer_ids_from_draft_config(args.draft_config)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("capture", help="capture target hidden states into a feature store (DFlash drafters)")
+    p.add_argument("--target", required=True, help="checkpoint dir, or config.json / weightless dir (random)")
+    p.add_argument("--tokenizer", help="tokenizer dir (default: the target's directory)")
+    p.add_argument("--data", required=True, help='jsonl: {"messages": [...]} or {"text": ...} per line')
+    p.add_argument("--out", required=True, help="feature store directory to create")
+    p.add_argument("--target-layer-ids", help="comma-separated target layer ids, e.g. 1,9,17,25,33")
+    p.add_argument("--draft-config", help="drafter config JSON with dflash_config.target_layer_ids")
+    p.add_argument("--max-length", type=int, default=4096, help="truncate samples to this many tokens")
+    p.add_argument("--num-samples", type=int, default=None, help="stop after this many stored samples")
+    p.add_argument("--dtype", choices=_DTYPES, default="float32", help="target compute dtype")
+    p.add_argument(
+        "--store-dtype", choices=_DTYPES, default=None, help="feature dtype on disk (default --dtype)"
+    )
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--chunk-size", type=int, default=0, help="prefill chunk in tokens (0 = whole sample)")
+    p.add_argument("--seed", type=int, default=0, help="seed of a random-weight target")
+    p.add_argument("--save-target", help="also write the instantiated target (weights + tokenizer) here")
+    p.add_argument("--attn-implementation", default="sdpa", help="transformers attention (sdpa, eager, ...)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing store at --out")
+    p.add_argument("--resume", action="store_true", help="append to the store at --out, skipping ids it has")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoTokenizer
+
+    from ..data.capture import TargetFeatures, has_weights, load_target
+    from ..data.samples import has_consecutive_supervised, read_jsonl, sample_id_of, tokenize_sample
+    from ..data.store import FeatureStoreWriter, check_out_dir
+
+    layer_ids = resolve_layer_ids(args)
+    if args.max_length < 1:
+        raise ValueError(f"--max-length must be >= 1, got {args.max_length}")
+    if not os.path.isfile(args.data):
+        raise ValueError(f"--data: {args.data} is not a file")
+    if args.resume and args.overwrite:
+        raise ValueError("--resume and --overwrite: give at most one")
+    if not (args.resume and os.path.isfile(os.path.join(args.out, "manifest.json"))):
+        check_out_dir(args.out, args.overwrite)  # fail before loading a large target
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device: {args.device} requested but torch.cuda.is_available() is False")
+    tok_path = args.tokenizer or (args.target if os.path.isdir(args.target) else os.path.dirname(args.target))
+    model, info = load_target(
+        args.target, dtype=args.dtype, device=args.device, seed=args.seed,
+        attn_implementation=args.attn_implementation,
+    )  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(tok_path)
+    features = TargetFeatures(
+        model, layer_ids, chunk_size=args.chunk_size, out_dtype=getattr(torch, args.store_dtype or args.dtype)
+    )
+    kind = "checkpoint" if has_weights(args.target) else f"random weights, seed {args.seed}"
+    print(f"capture: target {args.target} ({kind}), layers {layer_ids}, hidden {features.hidden_size}, "
+          f"{args.dtype} on {args.device}")  # fmt: skip
+    if args.save_target:
+        model.save_pretrained(args.save_target)
+        tokenizer.save_pretrained(args.save_target)
+    stored = skipped = present = tokens = 0
+    with FeatureStoreWriter(
+        args.out, target=info, target_layer_ids=layer_ids, hidden_size=features.hidden_size,
+        dtype=args.store_dtype or args.dtype, overwrite=args.overwrite, resume=args.resume,
+    ) as writer:  # fmt: skip
+        with open(args.data) as f:
+            total = sum(1 for line in f if line.strip())
+        bar = tqdm(
+            read_jsonl(args.data), total=total, desc="capture", unit="sample", disable=args.no_progress
+        )
+        for line, record in bar:
+            if writer.has(sample_id_of(line, record)):
+                present += 1  # --resume: captured by an earlier run
+                continue
+            where = f"line {line + 1} of {args.data}"
+            input_ids, loss_mask = tokenize_sample(tokenizer, record, max_length=args.max_length, where=where)
+            if not has_consecutive_supervised(loss_mask):
+                skipped += 1
+                continue
+            writer.add(sample_id_of(line, record), input_ids, loss_mask, features(input_ids))
+            stored, tokens = stored + 1, tokens + int(input_ids.numel())
+            bar.set_postfix(tokens=str(tokens), skipped=skipped)
+            if args.num_samples is not None and stored >= args.num_samples:
+                break
+    kept = f"; kept {present} from an earlier run" if present else ""
+    print(f"capture: wrote {stored} samples ({tokens} tokens) to {args.out}; skipped {skipped} without two "
+          f"consecutive supervised tokens{kept}")  # fmt: skip
+    return 0

@@ -1,0 +1,39 @@
+"""Target-feature data for DFlash drafter training: the sharded feature store and how it is filled.
+
+    manifest.py         StoreManifest / SampleEntry (pydantic), hashing, atomic JSON writes
+    store.py            FeatureStoreWriter, FeatureStore (hash-verified open, interval reads by mmap slice)
+    dataset.py          ShardedFeatureDataset: per rank, whole tokens + the rows of its zigzag intervals
+    samples.py          jsonl chat/text samples -> input_ids, loss_mask (chat template, assistant mask)
+    capture.py          TargetFeatures: a transformers target's hidden states at target_layer_ids
+    specforge_import.py SpecForge 0.2.0 offline DFlash records -> store
+
+See docs/feature_store.md.
+"""
+
+from .capture import TargetFeatures, check_target_layer_ids, load_target, random_target
+from .dataset import ShardedFeatureDataset, ShardedSample
+from .manifest import SampleEntry, StoreManifest, TargetInfo, config_hash
+from .samples import has_consecutive_supervised, read_jsonl, tokenize_sample
+from .specforge_import import import_specforge_records, list_specforge_records
+from .store import VERIFY_MODES, FeatureStore, FeatureStoreWriter
+
+__all__ = [
+    "FeatureStore",
+    "FeatureStoreWriter",
+    "VERIFY_MODES",
+    "SampleEntry",
+    "StoreManifest",
+    "TargetInfo",
+    "config_hash",
+    "ShardedFeatureDataset",
+    "ShardedSample",
+    "TargetFeatures",
+    "check_target_layer_ids",
+    "load_target",
+    "random_target",
+    "read_jsonl",
+    "tokenize_sample",
+    "has_consecutive_supervised",
+    "import_specforge_records",
+    "list_specforge_records",
+]

@@ -1,0 +1,119 @@
+"""The feature store's manifest: one JSON file that describes every sample file and how to trust it.
+
+    store/
+      manifest.json               StoreManifest (this module)
+      samples/00000000.safetensors  hidden_states [L, len(target_layer_ids) * hidden_size]  (store dtype)
+      samples/00000001.safetensors  input_ids     [L] int64
+      ...                           loss_mask     [L] int64
+
+The manifest names the target (name + a hash of its config), the target layer ids whose hidden states are
+concatenated on each row, the hidden size and the feature dtype; per sample it keeps the id, the relative
+file path, the length, the supervised-token count, the file size and its sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = [
+    "FORMAT",
+    "FEATURE_DTYPES",
+    "MANIFEST_NAME",
+    "SampleEntry",
+    "StoreManifest",
+    "TargetInfo",
+    "config_hash",
+    "file_sha256",
+    "write_json_atomic",
+]
+
+FORMAT = "specforge-csbp-feature-store/1"
+MANIFEST_NAME = "manifest.json"
+FEATURE_DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+# Fields of a transformers config that say nothing about the function the target computes.
+_VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash"}
+
+
+class TargetInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="model path or hub name the features were captured from")
+    config_sha256: str | None = Field(default=None, description="config_hash() of the target's config")
+    random_init_seed: int | None = Field(default=None, description="set when the target had random weights")
+    num_hidden_layers: int | None = None
+
+
+class SampleEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    file: str = Field(description="path relative to the store root")
+    length: int = Field(ge=1)
+    num_loss_tokens: int = Field(ge=0)
+    nbytes: int = Field(ge=0)
+    sha256: str
+    source_file: str | None = Field(default=None, description="original record, for imported stores")
+
+
+class StoreManifest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: str = FORMAT
+    target: TargetInfo
+    target_layer_ids: list[int]
+    hidden_size: int = Field(ge=1)
+    dtype: str
+    source: str = Field(default="capture", description="'capture' or 'specforge-import'")
+    samples: list[SampleEntry] = []
+
+    @property
+    def feature_width(self) -> int:
+        return len(self.target_layer_ids) * self.hidden_size
+
+    @model_validator(mode="after")
+    def _check(self) -> "StoreManifest":
+        if self.format != FORMAT:
+            raise ValueError(f"format must be {FORMAT!r}, got {self.format!r}")
+        if self.dtype not in FEATURE_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(FEATURE_DTYPES)}; got {self.dtype!r}")
+        if not self.target_layer_ids or len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            raise ValueError(f"target_layer_ids must be non-empty and unique, got {self.target_layer_ids}")
+        if min(self.target_layer_ids) < 0:
+            raise ValueError(f"target_layer_ids must be >= 0, got {self.target_layer_ids}")
+        ids = [s.id for s in self.samples]
+        if len(set(ids)) != len(ids):
+            raise ValueError("samples: sample ids must be unique")
+        return self
+
+
+def config_hash(config: Any) -> str:
+    """sha256 of a transformers config (or dict) as canonical JSON, without volatile fields."""
+    data = config if isinstance(config, dict) else config.to_dict()
+    data = {k: v for k, v in data.items() if k not in _VOLATILE_CONFIG_KEYS}
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def file_sha256(path: str, chunk_bytes: int = 1 << 24) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_json_atomic(path: str, data: dict) -> None:
+    """Write JSON to a temporary file in the same directory, fsync, then rename over `path`."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,129 @@
+"""jsonl samples -> (input_ids, loss_mask) with the tokenizer's own chat template.
+
+Two sample kinds, one per line:
+    {"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}, ...]}
+        rendered by tokenizer.apply_chat_template; loss mask = assistant turns (content + end-of-turn token)
+    {"text": "..."}
+        tokenized as is (with the tokenizer's special tokens); loss mask = every token
+An optional "id" field names the sample in the store (default: the line number, 8 digits).
+
+The assistant mask comes from transformers' `return_assistant_tokens_mask` when the template marks assistant
+output with {% generation %} (the bundled tiny tokenizer does). Most released templates (Qwen3, Llama 3) do
+not, so otherwise the rendered text is searched, message by message in order, for each assistant content,
+and the tokens overlapping it plus the one token after it (the end-of-turn token: <|im_end|>, <|eot_id|>)
+are supervised - the same span SpecForge's template regexes select.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["read_jsonl", "sample_id_of", "tokenize_sample", "has_consecutive_supervised"]
+
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def read_jsonl(path: str) -> Iterator[tuple[int, dict]]:
+    """(line_number, record) for every non-empty line; a bad line is a one-line ValueError."""
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"data: line {i + 1} of {path} is not valid JSON ({err.msg})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"data: line {i + 1} of {path} must be a JSON object")
+            yield i, record
+
+
+def sample_id_of(line: int, record: dict) -> str:
+    sid = record.get("id")
+    return str(sid) if isinstance(sid, (str, int)) and str(sid) else f"{line:08d}"
+
+
+def _check_messages(messages: Any, where: str) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"messages: {where} must be a non-empty list of {{'role', 'content'}} objects")
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m:
+            raise ValueError(f"messages: {where} has an entry without a 'role'")
+
+
+def _chat_generation_mask(tokenizer, messages: list) -> tuple[list[int], list[int]]:
+    out = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    return list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
+
+
+def _chat_search_mask(tokenizer, messages: list, where: str) -> tuple[list[int], list[int]]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+    spans, cursor = [], 0
+    for m in messages:
+        content = m.get("content")
+        if not isinstance(content, str) or not content:
+            continue
+        at = text.find(content, cursor)
+        if at < 0:
+            if m["role"] == "assistant":
+                raise ValueError(
+                    f"messages: {where}: an assistant message does not appear verbatim in the rendered chat "
+                    "template; use a template with {% generation %} markers"
+                )
+            continue  # the template rewrote a non-assistant message (e.g. a system default); not supervised
+        if m["role"] == "assistant":
+            spans.append((at, at + len(content)))
+        cursor = at + len(content)
+    mask = [0] * len(ids)
+    for lo, hi in spans:
+        last = -1
+        for t, (a, b) in enumerate(offsets):
+            if b > lo and a < hi:
+                mask[t], last = 1, t
+        if 0 <= last < len(ids) - 1:
+            mask[last + 1] = 1  # the end-of-turn token that closes the answer
+    return ids, mask
+
+
+def tokenize_sample(
+    tokenizer, record: dict, *, max_length: int, where: str = "sample"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids [L], loss_mask [L]) int64 for one record, truncated to the first `max_length` tokens."""
+    if max_length < 1:
+        raise ValueError(f"max_length must be >= 1, got {max_length}")
+    if ("messages" in record) == ("text" in record):
+        raise ValueError(
+            f"data: {where} needs exactly one of 'messages' (chat) or 'text', got keys {sorted(record)}"
+        )
+    if "text" in record:
+        if not isinstance(record["text"], str):
+            raise ValueError(f"text: {where} must be a string")
+        ids = list(tokenizer(record["text"], add_special_tokens=True)["input_ids"])
+        mask = [1] * len(ids)
+    else:
+        messages = record["messages"]
+        _check_messages(messages, where)
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("tokenizer: has no chat_template, so chat samples cannot be rendered")
+        template = tokenizer.chat_template
+        if isinstance(template, str) and _GENERATION_TAG.search(template):
+            ids, mask = _chat_generation_mask(tokenizer, messages)
+        else:
+            ids, mask = _chat_search_mask(tokenizer, messages, where)
+    ids, mask = ids[:max_length], mask[:max_length]
+    return torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.int64)
+
+
+def has_consecutive_supervised(loss_mask: torch.Tensor) -> bool:
+    """DFlash needs an anchor and its next token supervised; samples without such a pair teach nothing."""
+    m = loss_mask.bool()
+    return bool((m[:-1] & m[1:]).any()) if m.numel() > 1 else False

@@ -1,0 +1,356 @@
+"""The sharded feature store: per-sample safetensors files of target hidden states, read by interval.
+
+A sample of L tokens is one file holding the concatenated hidden states of the target layers (the rows
+DFlash's context projection `fc` consumes) plus its tokens and loss mask:
+
+    hidden_states [L, W]   W = len(target_layer_ids) * hidden_size, layer-major inside a row:
+                           row p = [h_{ids[0]}(p) | h_{ids[1]}(p) | ...]
+    input_ids     [L] int64
+    loss_mask     [L] int64 (1 = supervised)
+
+Under CSBP a rank holds only its zigzag shard of the context, so it reads only those rows:
+
+    positions   0 ............................................. L
+    P = 2       | chunk 0 | chunk 1 |  chunk 2  |   chunk 3   |
+                   rank 0   rank 1     rank 1       rank 0
+    rank 0 reads hidden_states[chunk 0] and hidden_states[chunk 3] - two slices of a memory map,
+    never the rows in between.
+
+`read_intervals` goes through safetensors' `safe_open(...).get_slice(name)[lo:hi]`, which maps the file and
+copies out only the requested rows. Tokens and loss mask are small and read whole.
+
+Writes are atomic (temporary file + rename) for sample files and the manifest alike, so a crashed capture
+leaves a store whose manifest lists only complete samples.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Sequence
+
+import torch
+from pydantic import ValidationError
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .manifest import (
+    FORMAT,
+    MANIFEST_NAME,
+    SampleEntry,
+    StoreManifest,
+    TargetInfo,
+    file_sha256,
+    write_json_atomic,
+)
+
+__all__ = ["FeatureStore", "FeatureStoreWriter", "VERIFY_MODES", "check_out_dir"]
+
+VERIFY_MODES = ("full", "trust")
+_SAMPLES_DIR = "samples"
+_HIDDEN, _IDS, _MASK = "hidden_states", "input_ids", "loss_mask"
+
+
+def _pydantic_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "manifest"
+    return f"{where}: {first['msg']}"
+
+
+class FeatureStoreWriter:
+    """Create a store and add samples one by one; `close()` (or leaving the `with`) writes the manifest.
+
+    The manifest is also rewritten (atomically) at most every `flush_every_s` seconds, so a killed capture
+    keeps what it finished; `resume=True` reopens such a store (same target, layers, hidden size, dtype)
+    and appends to it - `has(sample_id)` tells what is already there.
+
+    >>> with FeatureStoreWriter(root, target=TargetInfo(name="Qwen/Qwen3-8B"), target_layer_ids=[1, 9, 17],
+    ...                         hidden_size=4096, dtype="bfloat16") as w:
+    ...     w.add("0", input_ids, loss_mask, hidden_states)   # hidden_states [L, 3 * 4096]
+    """
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        target: TargetInfo,
+        target_layer_ids: Sequence[int],
+        hidden_size: int,
+        dtype: str,
+        source: str = "capture",
+        overwrite: bool = False,
+        resume: bool = False,
+        flush_every_s: float = 60.0,
+    ) -> None:
+        try:
+            self.manifest = StoreManifest(
+                target=target, target_layer_ids=list(target_layer_ids), hidden_size=hidden_size,
+                dtype=dtype, source=source,
+            )  # fmt: skip
+        except ValidationError as err:
+            raise ValueError(_pydantic_error(err)) from None
+        self.root = root
+        if resume and os.path.isfile(os.path.join(root, MANIFEST_NAME)):
+            self.manifest = _resumable(root, self.manifest)
+        else:
+            _prepare_root(root, overwrite)
+        os.makedirs(os.path.join(root, _SAMPLES_DIR), exist_ok=True)
+        self._dtype = getattr(torch, dtype)
+        self._ids = {s.id for s in self.manifest.samples}
+        self._closed = False
+        self._flush_every_s, self._flushed_at = flush_every_s, time.monotonic()
+
+    def has(self, sample_id: str) -> bool:
+        return str(sample_id) in self._ids
+
+    def add(
+        self,
+        sample_id: str,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        hidden_states: torch.Tensor,
+        *,
+        source_file: str | None = None,
+    ) -> SampleEntry:
+        """Write one sample file atomically and record it; hidden_states is cast to the store dtype."""
+        if self._closed:
+            raise ValueError("writer: the store is already closed")
+        sample_id = str(sample_id)
+        if sample_id in self._ids:
+            raise ValueError(f"sample_id: {sample_id!r} is already in the store")
+        width = self.manifest.feature_width
+        if hidden_states.dim() != 2 or hidden_states.shape[1] != width:
+            raise ValueError(
+                f"hidden_states: expected [L, {width}] (len(target_layer_ids) x hidden_size = "
+                f"{len(self.manifest.target_layer_ids)} x {self.manifest.hidden_size}), "
+                f"got {list(hidden_states.shape)}"
+            )
+        length = hidden_states.shape[0]
+        if length < 1:
+            raise ValueError(f"hidden_states: sample {sample_id!r} has no tokens")
+        for name, t in ((_IDS, input_ids), (_MASK, loss_mask)):
+            if t.dim() != 1 or t.shape[0] != length:
+                raise ValueError(f"{name}: expected shape [{length}], got {list(t.shape)}")
+        tensors = {
+            _HIDDEN: hidden_states.detach().to("cpu", self._dtype).contiguous(),
+            _IDS: input_ids.detach().to("cpu", torch.int64).contiguous(),
+            _MASK: loss_mask.detach().to("cpu", torch.int64).contiguous(),
+        }
+        rel = os.path.join(_SAMPLES_DIR, f"{len(self.manifest.samples):08d}.safetensors")
+        path = os.path.join(self.root, rel)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            save_file(tensors, tmp, metadata={"sample_id": sample_id, "format": FORMAT})
+            entry = SampleEntry(
+                id=sample_id, file=rel, length=length, num_loss_tokens=int(tensors[_MASK].sum()),
+                nbytes=os.path.getsize(tmp), sha256=file_sha256(tmp), source_file=source_file,
+            )  # fmt: skip
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+        self.manifest.samples.append(entry)
+        self._ids.add(sample_id)
+        if time.monotonic() - self._flushed_at >= self._flush_every_s:
+            self._write_manifest()
+        return entry
+
+    def _write_manifest(self) -> None:
+        write_json_atomic(os.path.join(self.root, MANIFEST_NAME), self.manifest.model_dump(mode="json"))
+        self._flushed_at = time.monotonic()
+
+    def close(self) -> StoreManifest:
+        """Write the manifest (atomically). Idempotent."""
+        if not self._closed:
+            self._write_manifest()
+            self._closed = True
+        return self.manifest
+
+    def __enter__(self) -> "FeatureStoreWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        # On an error the samples written so far are still complete; record them so the work is not lost.
+        self.close()
+
+
+def check_out_dir(root: str, overwrite: bool) -> bool:
+    """Raise unless a store may be created at `root`; True when an old store will be replaced."""
+    if not os.path.exists(root):
+        return False
+    if not os.path.isdir(root):
+        raise ValueError(f"out: {root} exists and is not a directory")
+    entries = os.listdir(root)
+    if not entries:
+        return False
+    if not overwrite:
+        raise ValueError(f"out: {root} already exists and is not empty (pass --overwrite to replace a store)")
+    if MANIFEST_NAME not in entries:
+        # Never delete a directory this package did not create.
+        raise ValueError(f"out: {root} is not empty and holds no {MANIFEST_NAME}; refusing to overwrite it")
+    return True
+
+
+def _resumable(root: str, new: StoreManifest) -> StoreManifest:
+    """The existing manifest at `root`, if it was written for the same features as `new`."""
+    path = os.path.join(root, MANIFEST_NAME)
+    try:
+        with open(path) as f:
+            old = StoreManifest.model_validate_json(f.read())
+    except ValidationError as err:
+        raise ValueError(f"resume: {path}: {_pydantic_error(err)}") from None
+    for field in ("target_layer_ids", "hidden_size", "dtype"):
+        if getattr(old, field) != getattr(new, field):
+            raise ValueError(
+                f"resume: {field} of the store at {root} is {getattr(old, field)}, "
+                f"this run has {getattr(new, field)}"
+            )
+    if (
+        old.target.config_sha256 != new.target.config_sha256
+        or old.target.random_init_seed != new.target.random_init_seed
+    ):
+        raise ValueError(
+            f"resume: the store at {root} was captured from a different target ({old.target.name})"
+        )
+    return old
+
+
+def _prepare_root(root: str, overwrite: bool) -> None:
+    if check_out_dir(root, overwrite):
+        os.remove(os.path.join(root, MANIFEST_NAME))
+        shutil.rmtree(os.path.join(root, _SAMPLES_DIR), ignore_errors=True)
+
+
+class FeatureStore:
+    """Read side of a store. Opening checks every file the manifest lists:
+
+    verify="full"   sha256 of every file against the manifest (reads every byte once; do it once after
+                    capture or copying, e.g. on one rank before training)
+    verify="trust"  existence and size only (a stat per file; what each rank of a long-context run uses)
+
+    Corrupted or missing files raise a one-line ValueError naming the file.
+    """
+
+    def __init__(self, root: str, verify: str = "full") -> None:
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}; got {verify!r}")
+        self.root = root
+        path = os.path.join(root, MANIFEST_NAME)
+        if not os.path.isfile(path):
+            raise ValueError(f"store: missing {path} (not a feature store, or its capture never finished)")
+        try:
+            with open(path) as f:
+                self.manifest = StoreManifest.model_validate_json(f.read())
+        except ValidationError as err:
+            raise ValueError(f"store: {path}: {_pydantic_error(err)}") from None
+        self._entries = {s.id: s for s in self.manifest.samples}
+        for entry in self.manifest.samples:
+            self._check_file(entry, full=verify == "full")
+
+    # -- metadata ------------------------------------------------------------------------------------------
+    @property
+    def sample_ids(self) -> list[str]:
+        return [s.id for s in self.manifest.samples]
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return list(self.manifest.target_layer_ids)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.manifest.hidden_size
+
+    @property
+    def feature_width(self) -> int:
+        return self.manifest.feature_width
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.manifest.dtype)
+
+    def __len__(self) -> int:
+        return len(self.manifest.samples)
+
+    def entry(self, sample_id: str) -> SampleEntry:
+        try:
+            return self._entries[str(sample_id)]
+        except KeyError:
+            raise ValueError(f"sample_id: {sample_id!r} is not in the store at {self.root}") from None
+
+    def length(self, sample_id: str) -> int:
+        return self.entry(sample_id).length
+
+    def check_compatible(self, target_layer_ids: Sequence[int], hidden_size: int) -> None:
+        """Raise a one-line ValueError unless the store feeds a drafter with these layers and hidden size."""
+        ids = [int(i) for i in target_layer_ids]
+        if ids != self.manifest.target_layer_ids:
+            raise ValueError(
+                f"target_layer_ids: the store at {self.root} holds layers {self.manifest.target_layer_ids}, "
+                f"the drafter expects {ids}"
+            )
+        expected = len(ids) * int(hidden_size)
+        if self.feature_width != expected:
+            raise ValueError(
+                f"feature width: the store's rows have {self.feature_width} features, the drafter expects "
+                f"len(target_layer_ids) x hidden_size = {len(ids)} x {hidden_size} = {expected}"
+            )
+
+    # -- reads ---------------------------------------------------------------------------------------------
+    def read_tokens(self, sample_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids [L], loss_mask [L]), both int64 - small, read whole."""
+        entry = self.entry(sample_id)
+        with self._open(entry) as f:
+            ids, mask = f.get_tensor(_IDS), f.get_tensor(_MASK)
+        for name, t in ((_IDS, ids), (_MASK, mask)):
+            if list(t.shape) != [entry.length]:
+                raise ValueError(
+                    f"{self._path(entry)}: {name} has shape {list(t.shape)}, manifest says [{entry.length}]"
+                )
+        return ids, mask
+
+    def read_intervals(self, sample_id: str, intervals: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """Hidden-state rows of the token intervals [lo, hi), concatenated in order: [sum(hi - lo), W].
+
+        Only those rows are copied out of the memory-mapped file.
+        """
+        entry = self.entry(sample_id)
+        for lo, hi in intervals:
+            if not 0 <= lo <= hi <= entry.length:
+                raise ValueError(
+                    f"intervals: [{lo}, {hi}) is not inside sample {sample_id!r} of length {entry.length}"
+                )
+        with self._open(entry) as f:
+            rows = f.get_slice(_HIDDEN)
+            shape = list(rows.get_shape())
+            if shape != [entry.length, self.feature_width]:
+                raise ValueError(
+                    f"{self._path(entry)}: hidden_states has shape {shape}, manifest says "
+                    f"[{entry.length}, {self.feature_width}]"
+                )
+            parts = [rows[lo:hi] for lo, hi in intervals if hi > lo]
+        if not parts:
+            return torch.zeros(0, self.feature_width, dtype=self.dtype)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    # -- integrity -----------------------------------------------------------------------------------------
+    def _path(self, entry: SampleEntry) -> str:
+        return os.path.join(self.root, entry.file)
+
+    def _open(self, entry: SampleEntry):
+        path = self._path(entry)
+        try:
+            return safe_open(path, framework="pt")
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"corrupted or missing store file {path}: {err}".replace("\n", " ")) from None
+
+    def _check_file(self, entry: SampleEntry, full: bool) -> None:
+        path = self._path(entry)
+        if not os.path.isfile(path):
+            raise ValueError(f"missing store file {path} (sample {entry.id!r})")
+        size = os.path.getsize(path)
+        if size != entry.nbytes:
+            raise ValueError(f"corrupted store file {path}: {size} bytes, manifest says {entry.nbytes}")
+        if full and file_sha256(path) != entry.sha256:
+            raise ValueError(f"corrupted store file {path}: sha256 differs from the manifest")
