@@ -12,7 +12,7 @@ import sys
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-from specforge_csbp.cli.main import main  # noqa: E402
+from specforge_csbp.cli.main import main
 
 if __name__ == "__main__":
     os.chdir(ROOT)

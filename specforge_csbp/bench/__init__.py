@@ -1,4 +1,12 @@
-"""Benchmark records (design.md section 8) and what is generated from them."""
+"""Benchmark records (design.md section 8) and what is generated from them.
+
+    records.py   the shared record schema (BenchRecord, load_records, write_records)
+    compare.py   which records were measured side by side; CSBP's speedup over every other mode
+    plots.py     PNG plots of one workload (tokens/s, CSBP speedup, peak memory vs context)
+    report.py    markdown report + CSV from records (`specforge-csbp report`)
+    grid.py      sweep points and their command lines (the benchmark-script contract)
+    runner.py    run a sweep: fresh process per point, oom/error recorded, resumable (`specforge-csbp sweep`)
+"""
 
 from .records import BenchRecord, load_records, write_records
 

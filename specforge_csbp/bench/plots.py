@@ -45,15 +45,15 @@ def _ctx_label(n: int) -> str:
 
 def _series_label(r: BenchRecord, vary: dict[str, bool], with_mode: bool = True) -> str:
     parts = [r.mode] if with_mode else []
-    if vary["world_size"]:
+    if vary["world_size"] or not with_mode:
         parts.append(f"P={r.world_size}")
-    if vary["block_size"]:
+    if vary["block_size"] or not with_mode:
         parts.append(f"S={r.block_size}")
     if vary["device"]:
         parts.append(r.device)
     if vary["date"]:
         parts.append(r.date)
-    return " ".join(parts) or "csbp"
+    return " ".join(parts)
 
 
 def _save(plt, fig, ax, path: Path, contexts: list[int], title: str, ylabel: str) -> None:

@@ -15,7 +15,9 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ from .compare import extra_fields, group_side_by_side, mode_rank, speedups
 from .plots import plot_workload
 from .records import BenchRecord, load_records
 
-__all__ = ["render_markdown", "write_csv", "write_report", "format_value", "record_sort_key", "CSV_FIELDS"]
+__all__ = ["CSV_FIELDS", "format_value", "record_sort_key", "render_markdown", "write_csv", "write_report"]
 
 # Table columns (field, header); attention-only columns appear when a workload's records carry them.
 CORE_COLUMNS = (
@@ -33,7 +35,12 @@ CORE_COLUMNS = (
 )  # fmt: skip
 OPTIONAL_COLUMNS = (("useful_tflops_per_gpu", "useful TFLOP/s/GPU"), ("exposed_comm_ms", "exposed comm ms"))
 RUN_FIELDS = ("device", "date", "command")
+# Bookkeeping extras of the sweep runner: kept in the records and the CSV, left out of the tables.
+HIDDEN_EXTRAS = ("point", "wall_s", "exit_code")
 CSV_FIELDS = tuple(BenchRecord.model_fields)
+PLANNER_TARGET = 0.15  # the planner's target error on measured points (issue 6)
+# record -> object with step_ms, tokens_per_s, peak_gib (or None): see planner/validate.py
+Predictor = Callable[[BenchRecord], Any]
 
 
 def format_value(value: Any) -> str:
@@ -43,7 +50,7 @@ def format_value(value: Any) -> str:
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, float):
-        if value != value:  # NaN
+        if math.isnan(value):
             return "nan"
         a = abs(value)
         if a >= 1000:
@@ -71,7 +78,15 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines
 
 
-def _workload_section(recs: list[BenchRecord], plots: dict[str, Path], doc_dir: Path) -> list[str]:
+def _pct(pred: float | None, meas: float | None) -> str:
+    if pred is None or not meas:
+        return "—"
+    return f"{100 * (pred / meas - 1):+.1f}%"
+
+
+def _workload_section(
+    recs: list[BenchRecord], plots: dict[str, Path], doc_dir: Path, predictor: Predictor | None = None
+) -> list[str]:
     workload = recs[0].workload
     lines = [f"## {workload}", ""]
     ok = sum(r.status == "ok" for r in recs)
@@ -93,16 +108,28 @@ def _workload_section(recs: list[BenchRecord], plots: dict[str, Path], doc_dir: 
         runs.setdefault((r.device, r.date, r.command), len(runs) + 1)
 
     optional = [(f, h) for f, h in OPTIONAL_COLUMNS if any(getattr(r, f) is not None for r in recs)]
-    extras = extra_fields(recs)
-    header = [h for _, h in CORE_COLUMNS] + [h for _, h in optional] + extras + ["run"]
+    extras = [name for name in extra_fields(recs) if name not in HIDDEN_EXTRAS]
+    preds = [predictor(r) if predictor else None for r in recs]
+    with_pred = any(p is not None for p in preds)
+    header = [h for _, h in CORE_COLUMNS] + [h for _, h in optional] + extras
+    if with_pred:
+        header += ["planned tokens/s", "error", "planned GiB", "error"]
+    header.append("run")
     rows = []
-    for r in recs:
+    for r, p in zip(recs, preds):
         extra = r.model_extra or {}
         row = [format_value(getattr(r, f)) for f, _ in CORE_COLUMNS + tuple(optional)]
         row += [format_value(extra.get(name)) for name in extras]
+        if with_pred:
+            row += ["—", "—", "—", "—"] if p is None else [
+                format_value(p.tokens_per_s), _pct(p.tokens_per_s, r.tokens_per_s),
+                format_value(p.peak_gib), _pct(p.peak_gib, r.peak_mem_gib),
+            ]  # fmt: skip
         row.append(f"[{runs[(r.device, r.date, r.command)]}]")
         rows.append(row)
     lines += ["### All records", ""] + _table(header, rows) + [""]
+    if with_pred:
+        lines += _prediction_summary(recs, preds) + [""]
 
     spd = speedups(recs)
     if spd:
@@ -141,6 +168,23 @@ def _workload_section(recs: list[BenchRecord], plots: dict[str, Path], doc_dir: 
     return lines
 
 
+def _prediction_summary(recs: list[BenchRecord], preds: list) -> list[str]:
+    tps = [abs(p.tokens_per_s / r.tokens_per_s - 1) for r, p in zip(recs, preds) if p and r.tokens_per_s]
+    mem = [abs(p.peak_gib / r.peak_mem_gib - 1) for r, p in zip(recs, preds) if p and r.peak_mem_gib]
+
+    def stat(errs: list[float]) -> str:
+        if not errs:
+            return "no points"
+        within = sum(e <= PLANNER_TARGET for e in errs)
+        return (f"max {100 * max(errs):.1f}%, mean {100 * sum(errs) / len(errs):.1f}%, "
+                f"{within}/{len(errs)} within {100 * PLANNER_TARGET:.0f}%")  # fmt: skip
+
+    return [
+        f"Planner (`specforge-csbp plan`) against these measurements: tokens/s error {stat(tps)}; "
+        f"peak memory error {stat(mem)}.",
+    ]
+
+
 def render_markdown(
     records: list[BenchRecord],
     *,
@@ -149,8 +193,11 @@ def render_markdown(
     title: str = "Benchmarks",
     source: str = "benchmarks/results/",
     generator: str = "specforge-csbp report",
+    predictor: Predictor | None = None,
+    predictor_note: str = "",
 ) -> str:
-    """The whole report as markdown; writes the PNGs into img_dir (default: <doc dir>/img)."""
+    """The whole report as markdown; writes the PNGs into img_dir (default: <doc dir>/img). With a
+    `predictor` (planner/validate.py), ok records get the planner's prediction and its error beside them."""
     doc_dir = Path(doc_path).parent
     img_dir = Path(img_dir) if img_dir is not None else doc_dir / "img"
     records = sorted(records, key=record_sort_key)
@@ -162,13 +209,15 @@ def render_markdown(
         "recomputed from the records.",
         "",
     ]
+    if predictor is not None and predictor_note:
+        lines += [predictor_note, ""]
     workloads = sorted({r.workload for r in records})
     if not workloads:
         lines += ["No records yet.", ""]
     for w in workloads:
         recs = [r for r in records if r.workload == w]
         plots = plot_workload(recs, w, img_dir)
-        lines += _workload_section(recs, plots, doc_dir)
+        lines += _workload_section(recs, plots, doc_dir, predictor)
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
@@ -196,6 +245,8 @@ def write_report(
     csv_path: str | Path | None = None,
     title: str = "Benchmarks",
     generator: str = "specforge-csbp report",
+    predictor: Predictor | None = None,
+    predictor_note: str = "",
 ) -> list[BenchRecord]:
     """Load every record under `results`, write the markdown (and optionally the CSV); returns the records."""
     paths = results if isinstance(results, list) else [results]
@@ -203,7 +254,7 @@ def write_report(
     records = load_records(existing) if existing else []
     source = ", ".join(Path(p).as_posix().rstrip("/") + ("/" if Path(p).is_dir() else "") for p in paths)
     text = render_markdown(records, doc_path=doc_path, img_dir=img_dir, title=title, source=source,
-                           generator=generator)  # fmt: skip
+                           generator=generator, predictor=predictor, predictor_note=predictor_note)  # fmt: skip
     Path(doc_path).parent.mkdir(parents=True, exist_ok=True)
     Path(doc_path).write_text(text)
     if csv_path is not None:

@@ -17,10 +17,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--img-dir", default=None, help="where the PNGs go (default: <dir of --out>/img)")
     p.add_argument("--csv", default=None, help="also write every record as one CSV row here")
     p.add_argument("--title", default="Benchmarks")
+    p.add_argument("--predict", nargs="*", default=[], metavar="WORKLOAD=CONFIG",
+                   help="put the planner's prediction beside every ok record of WORKLOAD (model config.json)")
+    p.add_argument("--profile", default="h200-nominal", help="machine profile for --predict (JSON or built-in)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    records = write_report(args.results, args.out, img_dir=args.img_dir, csv_path=args.csv, title=args.title)
+    predictor, note = None, ""
+    if args.predict:
+        from ..planner.profile import load_profile
+        from ..planner.validate import record_predictor
+
+        models = {}
+        for item in args.predict:
+            workload, sep, config = item.partition("=")
+            if not sep or not workload or not config:
+                raise ValueError(f"predict must be WORKLOAD=CONFIG; got {item!r}")
+            models[workload] = config
+        profile = load_profile(args.profile)
+        predictor = record_predictor(models, profile)
+        note = (f"Planner predictions use the profile `{args.profile}` ({profile.summary()}) and the model "
+                "configs " + ", ".join(f"`{w}`: `{c}`" for w, c in sorted(models.items())) + ".")
+    records = write_report(args.results, args.out, img_dir=args.img_dir, csv_path=args.csv, title=args.title,
+                           predictor=predictor, predictor_note=note)
     print(f"report: {len(records)} records -> {args.out}")
     return 0

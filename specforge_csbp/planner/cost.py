@@ -1,0 +1,213 @@
+"""Step time, tokens/s and peak memory of one layout (DP x CP degree x mode), from exact per-rank work.
+
+    step = max over ranks of (GEMM FLOPs / GEMM rate + attention FLOPs / attention rate
+                              + loss FLOPs / GEMM rate + exposed attention communication)
+           + launch overhead + exposed gradient all-reduce
+
+FLOP counts (multiply-add = 2; training = forward 1 + backward 2, attention backward 2.5, and one more
+forward per recomputed layer under activation checkpointing):
+
+    GEMMs       rows x 2 x layer params per layer                 (rows = the rank's token rows)
+    attention   visible pairs x 4 H D per layer                   (pairs: pairs.py, exact for the layout)
+    loss        supervised rows x 2 h V                           (chunked CE: forward, recompute, grads)
+    drafter     + fc over the rank's context rows (F x h_t -> h), + context K/V projections per layer
+
+Communication per layer (bytes / measured bandwidth; ring: a rank sends (P-1) segments):
+
+    csbp   all-gather of the clean (context) K/V shard, reduce-scatter of its gradient; overlapped with
+           the rank's local attention (BDLM) or block-local work (drafter); sliding-window drafter layers
+           receive only the windows their anchors need
+    cp     BDLM: the same collectives over both copies; drafter: partial (out, lse) of every block
+           exchanged for the LSE merge (not overlappable)
+    bp/dp  no attention communication (BP recomputes the clean prefix / context its blocks need)
+    all    gradient all-reduce over the G GPUs, overlapped with backward (exposed only beyond it)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .memory import MemoryBreakdown, bdlm_step_memory, drafter_step_memory
+from .pairs import bdlm_rank_stats, drafter_rank_stats
+from .profile import MachineProfile
+from .shapes import ModelShape
+
+__all__ = ["WORKLOADS", "Layout", "Options", "Prediction", "predict"]
+
+WORKLOADS = ("sft", "convert", "drafter")
+KERNELS_PER_LAYER = 80  # launches of one decoder layer's forward + backward (order of magnitude)
+GRAD_BYTES = 4  # gradients are all-reduced in fp32
+
+
+@dataclass(frozen=True, order=True)
+class Layout:
+    dp: int
+    cp: int
+    mode: str  # "dp" when cp == 1, else cp | bp | csbp
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.cp
+
+    @property
+    def label(self) -> str:
+        return f"dp{self.dp}" if self.cp == 1 else f"dp{self.dp} x {self.mode}{self.cp}"
+
+
+@dataclass(frozen=True)
+class Options:
+    block_size: int = 16
+    anchors: int = 512  # drafter: draft blocks per sequence
+    checkpointing: bool | None = None  # default: on for full BDLMs, off for drafters
+    state_bytes_per_param: float = 16.0  # fp32 weights + fp32 grads + two AdamW moments
+    ce_chunk: int = 4096  # rows per chunk of the linear cross-entropy
+    clean_within_block: str = "causal"
+    sft_mask_fraction: float = 0.5  # E[t]: share of tokens masked (supervised) per SFT view
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    step_ms: float | None = None
+    tokens_per_s: float | None = None
+    peak_gib: float | None = None
+    fits: bool = False
+    reason: str = ""  # why the layout cannot run (shape) or does not fit (memory)
+    breakdown_ms: dict[str, float] = field(default_factory=dict)
+    memory: MemoryBreakdown | None = None
+
+
+def _grad_sync_ms(shape: ModelShape, gpus: int, profile: MachineProfile) -> float:
+    if gpus <= 1:
+        return 0.0
+    nbytes = 2 * (gpus - 1) / gpus * shape.trainable_params * GRAD_BYTES
+    return nbytes / profile.bandwidth("allreduce", gpus) * 1e3
+
+
+def _bdlm(shape, workload, context, layout, profile, opt) -> Prediction:
+    S, P = opt.block_size, layout.cp
+    views = 2 if workload == "convert" else 1  # conversion: two complementary views, batch doubled
+    ckpt = True if opt.checkpointing is None else opt.checkpointing
+    stats = bdlm_rank_stats("dp" if layout.mode == "dp" else layout.mode, context, S, P, opt.clean_within_block)
+    e = profile.elem_bytes
+    gemm, attn = profile.gemm_tflops * 1e12, profile.attn_tflops * 1e12
+    fpp = shape.attention_flops_per_pair()
+    kv_row = 2 * shape.kv_heads * shape.head_dim * e
+    nl = shape.layers
+    per_rank = []
+    for s in stats:
+        g = views * s.q_rows * nl * shape.layer_gemm_flops_per_row() * (3 + ckpt) / gemm
+        a = views * s.pairs * nl * fpp * (3.5 + ckpt) / attn
+        sup = views * s.noisy_rows * (opt.sft_mask_fraction if workload == "sft" else 0.5)
+        loss = sup * 2 * shape.hidden * shape.vocab * 4 / gemm
+        exposed = 0.0
+        if s.gathered_rows:
+            nbytes = (s.world - 1) * s.gather_width * kv_row
+            t_ag = nbytes / profile.bandwidth("allgather", P)
+            t_rs = nbytes / profile.bandwidth("reduce_scatter", P)
+            local_fwd = s.pairs_local * fpp / attn
+            exposed = views * nl * ((1 + ckpt) * max(0.0, t_ag - local_fwd) + max(0.0, t_rs - 2.5 * local_fwd))
+        per_rank.append((g + a + loss + exposed, {"gemm": g, "attention": a, "loss": loss, "exposed_comm": exposed}))
+    worst = max(range(len(per_rank)), key=lambda r: (per_rank[r][0], -r))
+    compute_s, parts = per_rank[worst]
+    mem = max(
+        (bdlm_step_memory(shape, s, views=views, elem_bytes=e, state_bytes=opt.state_bytes_per_param,
+                          checkpointing=ckpt, ce_chunk=opt.ce_chunk, reserved_gib=profile.reserved_gib)
+         for s in stats),
+        key=lambda m: m.total,
+    )  # fmt: skip
+    supervised = context * (opt.sft_mask_fraction if workload == "sft" else 1.0)
+    return _finish(shape, layout, profile, compute_s, parts, mem, supervised, nl)
+
+
+def _drafter(shape, context, layout, profile, opt) -> Prediction:
+    S, P, N = opt.block_size, layout.cp, opt.anchors
+    mode = layout.mode
+    windows = sorted(set(shape.windows), key=lambda w: (w is not None, w or 0))
+    per_window = {w: drafter_rank_stats(mode, context, N, S, P, w) for w in windows}
+    e = profile.elem_bytes
+    gemm, attn = profile.gemm_tflops * 1e12, profile.attn_tflops * 1e12
+    fpp = shape.attention_flops_per_pair()
+    kv_row = 2 * shape.kv_heads * shape.head_dim * e
+    ranks = len(next(iter(per_window.values())))
+    per_rank = []
+    for r in range(ranks):
+        st = {w: per_window[w][r] for w in windows}
+        ctx = max(x.context_rows for x in st.values())
+        block_rows = st[windows[0]].block_rows
+        fc = 2 * ctx * shape.features * shape.target_hidden * shape.hidden * 2 / gemm  # forward + dW
+        kvp = 2 * ctx * shape.hidden * 2 * shape.kv_heads * shape.head_dim * 3 * shape.layers / gemm
+        layer_gemm = block_rows * shape.layer_gemm_flops_per_row() / gemm  # one layer, forward
+        blocks = 3 * layer_gemm * shape.layers
+        a, exposed = 0.0, 0.0
+        for w in shape.windows:
+            x = st[w]
+            a += x.pairs * fpp * 3.5 / attn
+            if mode == "csbp" and x.received_rows:
+                nbytes = x.received_rows * kv_row
+                overlap = layer_gemm + x.pairs_local * fpp / attn  # block-local work of the layer
+                t_ag = nbytes / profile.bandwidth("allgather", P)
+                t_rs = nbytes / profile.bandwidth("reduce_scatter", P)
+                exposed += max(0.0, t_ag - overlap) + max(0.0, t_rs - 2 * overlap)
+            elif mode == "cp" and P > 1:  # all-gather of every block row's partial (out, lse)
+                nbytes = (P - 1) * block_rows * shape.heads * (shape.head_dim * e + 4)
+                exposed += nbytes / profile.bandwidth("allgather", P)
+        loss = st[windows[0]].anchors * (S - 1) * 2 * shape.hidden * shape.vocab * 3 / gemm
+        per_rank.append((fc + kvp + blocks + a + loss + exposed,
+                         {"gemm": fc + kvp + blocks, "attention": a, "loss": loss, "exposed_comm": exposed}))  # fmt: skip
+    worst = max(range(ranks), key=lambda r: (per_rank[r][0], -r))
+    compute_s, parts = per_rank[worst]
+    mem = max(
+        (drafter_step_memory(shape, {w: per_window[w][r] for w in windows}, elem_bytes=e,
+                             state_bytes=opt.state_bytes_per_param, ce_chunk=opt.ce_chunk,
+                             reserved_gib=profile.reserved_gib) for r in range(ranks)),
+        key=lambda m: m.total,
+    )  # fmt: skip
+    return _finish(shape, layout, profile, compute_s, parts, mem, N * (S - 1), shape.layers)
+
+
+def _finish(shape, layout, profile, compute_s, parts, mem, supervised, layers) -> Prediction:
+    launch = layers * KERNELS_PER_LAYER * profile.launch_overhead_us * 1e-6
+    sync = _grad_sync_ms(shape, layout.gpus, profile) / 1e3
+    backward = compute_s * 2 / 3
+    exposed_sync = max(0.0, sync - backward)
+    step = compute_s + launch + exposed_sync
+    breakdown = {k: v * 1e3 for k, v in parts.items()}
+    breakdown.update(launch=launch * 1e3, exposed_grad_sync=exposed_sync * 1e3)
+    return Prediction(
+        layout=layout, step_ms=step * 1e3, tokens_per_s=layout.dp * supervised / step, peak_gib=mem.total,
+        breakdown_ms=breakdown, memory=mem,
+    )  # fmt: skip
+
+
+def predict(
+    shape: ModelShape,
+    workload: str,
+    context: int,
+    layout: Layout,
+    profile: MachineProfile,
+    gpu_mem_gib: float,
+    options: Options | None = None,
+) -> Prediction:
+    """Prediction for one layout; `fits` is False (with the reason) when the shape is invalid for the
+    layout or the predicted peak exceeds `gpu_mem_gib`."""
+    options = options or Options()
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}; got {workload!r}")
+    if (workload == "drafter") != shape.drafter:
+        raise ValueError(f"workload {workload!r} does not match model {shape.name} (drafter={shape.drafter})")
+    if workload != "drafter" and any(w is not None for w in shape.windows):
+        raise ValueError(f"model {shape.name}: sliding-window layers are costed for drafters only")
+    for op in ("allgather", "reduce_scatter", "allreduce"):  # a profile without rates fails here, loudly
+        profile.bandwidth(op, layout.gpus if op == "allreduce" else layout.cp)
+    try:
+        if workload == "drafter":
+            pred = _drafter(shape, context, layout, profile, options)
+        else:
+            pred = _bdlm(shape, workload, context, layout, profile, options)
+    except ValueError as err:  # the layout cannot hold this shape (e.g. fewer blocks than ranks)
+        return Prediction(layout=layout, reason=str(err))
+    pred.fits = pred.peak_gib <= gpu_mem_gib
+    if not pred.fits:
+        pred.reason = f"needs {pred.peak_gib:.1f} GiB > {gpu_mem_gib:g} GiB"
+    return pred

@@ -1,0 +1,238 @@
+"""Machine profile: the measured rates the cost model divides by, and `calibrate`, which measures them here.
+
+    gemm_tflops          dense matmul in the training dtype
+    attn_tflops          useful attention FLOP/s (visible pairs only) of forward + backward through the seam
+    allgather_gbps       bytes a rank sends per second in an all-gather (ring: (P-1) segments)
+    reduce_scatter_gbps  same for reduce-scatter;  allreduce_gbps: 2(P-1)/P x bytes / time
+    launch_overhead_us   cost of one tiny kernel launch (dominates tiny problems only)
+
+A profile is JSON (`MachineProfile`); `calibrate` writes one. Collectives need >= 2 ranks: run it under
+torchrun on GPUs, or let it spawn gloo ranks on CPU. Sizes are tiny on CPU, realistic on GPU.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import tempfile
+import time
+from importlib import resources
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["BUILTIN_PROFILES", "MachineProfile", "calibrate", "load_profile"]
+
+BUILTIN_PROFILES = ("h200-nominal",)
+
+
+class MachineProfile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    device: str
+    date: str
+    measured: bool = True  # False for a nominal (spec-sheet) profile
+    world_size: int = Field(ge=1, description="ranks the collectives were measured on")
+    dtype: str = "bfloat16"
+    attention_backend: str = "flex"
+    gemm_tflops: float = Field(gt=0)
+    attn_tflops: float = Field(gt=0)
+    allgather_gbps: float | None = Field(default=None, gt=0)
+    reduce_scatter_gbps: float | None = Field(default=None, gt=0)
+    allreduce_gbps: float | None = Field(default=None, gt=0)
+    launch_overhead_us: float = Field(default=0.0, ge=0)
+    gpus_per_node: int = Field(default=8, ge=1)
+    internode_gbps: float | None = Field(default=None, gt=0, description="per-GPU bandwidth across nodes")
+    reserved_gib: float = Field(default=0.0, ge=0, description="memory tensors cannot use (context, slack)")
+    command: str = ""
+
+    @property
+    def elem_bytes(self) -> int:
+        return torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
+
+    def bandwidth(self, op: str, group_size: int) -> float:
+        """Bytes/s of `op` ("allgather" | "reduce_scatter" | "allreduce") for a group of this many GPUs;
+        groups larger than a node run at the inter-node rate."""
+        if group_size <= 1:
+            return float("inf")
+        measured = getattr(self, f"{op}_gbps")
+        if measured is None:
+            raise ValueError(
+                f"profile {self.device}: {op}_gbps was not measured (profile from {self.world_size} rank); "
+                "calibrate on >= 2 ranks"
+            )
+        rate = measured
+        if group_size > self.gpus_per_node:
+            rate = min(rate, self.internode_gbps or rate)
+        return rate * 1e9
+
+    def summary(self) -> str:
+        def g(x):
+            return "n/a" if x is None else f"{x:.3g}"
+
+        kind = "measured" if self.measured else "NOMINAL (not measured)"
+        inter = f", inter-node {g(self.internode_gbps)} GB/s" if self.internode_gbps else ""
+        return (
+            f"{self.device}, {kind} {self.date} on {self.world_size} rank(s), {self.dtype}/{self.attention_backend}: "
+            f"GEMM {g(self.gemm_tflops)} TFLOP/s, attention {g(self.attn_tflops)} TFLOP/s, all-gather "
+            f"{g(self.allgather_gbps)} GB/s, reduce-scatter {g(self.reduce_scatter_gbps)} GB/s, all-reduce "
+            f"{g(self.allreduce_gbps)} GB/s{inter}, launch {self.launch_overhead_us:.3g} us"
+        )
+
+
+def load_profile(name_or_path: str | os.PathLike) -> MachineProfile:
+    """A profile JSON file, or a built-in name (h200-nominal)."""
+    if str(name_or_path) in BUILTIN_PROFILES:
+        text = resources.files(__package__).joinpath(f"profiles/{name_or_path}.json").read_text()
+    else:
+        try:
+            text = Path(name_or_path).read_text()
+        except FileNotFoundError:
+            raise ValueError(
+                f"profile: {name_or_path} is neither a file nor a built-in ({', '.join(BUILTIN_PROFILES)})"
+            ) from None
+    return MachineProfile.model_validate(json.loads(text))
+
+
+# -- calibration ----------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device, reps: int, warmup: int = 2) -> float:
+    """Median seconds per call."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def _sizes(device: torch.device) -> dict:
+    if device.type == "cuda":
+        return dict(n=8192, L=16384, S=16, H=32, Hk=8, D=128, comm_bytes=256 << 20, dtype=torch.bfloat16, reps=10)
+    return dict(n=256, L=128, S=16, H=4, Hk=2, D=32, comm_bytes=4 << 20, dtype=torch.float32, reps=5)
+
+
+def _measure_compute(device: torch.device) -> dict:
+    from ..layout.plans import bdlm_plan
+    from ..parallel.sharded_attention import ShardedAttention
+    from .pairs import count_visible
+
+    z = _sizes(device)
+    n, dt = z["n"], z["dtype"]
+    a = torch.randn(n, n, device=device, dtype=dt)
+    b = torch.randn(n, n, device=device, dtype=dt)
+    gemm = 2 * n**3 / _timed(lambda: a @ b, device, z["reps"]) / 1e12
+
+    L, S, H, Hk, D = z["L"], z["S"], z["H"], z["Hk"], z["D"]
+    plan = bdlm_plan("reference", L, S, 1)[0]
+    attn = ShardedAttention(plan, S)
+    q = torch.randn(1, H, 2 * L, D, device=device, dtype=dt, requires_grad=True)
+    k = torch.randn(1, Hk, 2 * L, D, device=device, dtype=dt, requires_grad=True)
+    v = torch.randn(1, Hk, 2 * L, D, device=device, dtype=dt, requires_grad=True)
+
+    def step():
+        out, _ = attn(q, k, v)
+        out.backward(torch.ones_like(out))
+
+    pairs = count_visible(plan.q_tokens, plan.kv_tokens, S)
+    attn_tflops = pairs * 4 * H * D * 3.5 / _timed(step, device, z["reps"]) / 1e12  # fwd 1 + bwd 2.5
+
+    x = torch.zeros(1, device=device)
+    launches = 200
+    launch_us = _timed(lambda: [x.add_(1) for _ in range(launches)], device, 3, warmup=1) / launches * 1e6
+    return dict(gemm_tflops=gemm, attn_tflops=attn_tflops, launch_overhead_us=launch_us, dtype=str(dt).split(".")[-1],
+                attention_backend="flex" if device.type == "cuda" else "dense")  # fmt: skip
+
+
+def _measure_comm(device: torch.device, group=None) -> dict:
+    world = dist.get_world_size(group)
+    z = _sizes(device)
+    shard = torch.randn(z["comm_bytes"] // 4, device=device, dtype=torch.float32)
+    full = shard.new_empty(world * shard.numel())
+    nbytes = shard.numel() * shard.element_size()
+
+    def ag():
+        dist.all_gather_into_tensor(full, shard, group=group)
+
+    def rs():
+        dist.reduce_scatter_tensor(shard, full, group=group)
+
+    def ar():
+        dist.all_reduce(shard, group=group)
+
+    t_ag, t_rs, t_ar = (_timed(f, device, z["reps"]) for f in (ag, rs, ar))
+    return dict(
+        allgather_gbps=(world - 1) * nbytes / t_ag / 1e9,
+        reduce_scatter_gbps=(world - 1) * nbytes / t_rs / 1e9,
+        allreduce_gbps=2 * (world - 1) / world * nbytes / t_ar / 1e9,
+    )
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.machine() or 'unknown'})"
+
+
+def _calibrate_rank(rank: int, world: int, out_path: str) -> None:
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    values = _measure_compute(device)
+    if device.type == "cuda":  # CUDA context and other users now, plus 5% allocator slack
+        free, total = torch.cuda.mem_get_info(device)
+        values["reserved_gib"] = ((total - free) + 0.05 * total) / (1 << 30)
+    values.update(_measure_comm(device) if world > 1 else {})
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, values)
+    if rank == 0:  # the slowest rank sets the pace of a synchronous step
+        merged = {k: (min(g[k] for g in gathered) if isinstance(v, float) else v) for k, v in values.items()}
+        for key in ("launch_overhead_us", "reserved_gib"):  # costs: the largest rank's
+            if key in values:
+                merged[key] = max(g[key] for g in gathered)
+        merged["device"] = _device_name(device)
+        with open(out_path, "w") as f:
+            json.dump(merged, f)
+
+
+def calibrate(world_size: int = 2, *, command: str = "") -> MachineProfile:
+    """Measure this machine. Under torchrun (RANK set) every rank takes part and all return the profile;
+    otherwise `world_size` gloo ranks are spawned on the CPU (1 = compute only, no collective rates)."""
+    from ..distributed.launch import init_from_env, spawn
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "profile.json")
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            init_from_env()
+            world = dist.get_world_size()
+            _calibrate_rank(dist.get_rank(), world, out)
+            obj = [None]
+            if dist.get_rank() == 0:
+                obj = [Path(out).read_text()]
+            dist.broadcast_object_list(obj, src=0)
+            data = json.loads(obj[0])
+        elif world_size == 1:
+            world = 1
+            data = _measure_compute(torch.device("cpu"))
+            data["device"] = _device_name(torch.device("cpu"))
+        else:
+            world = world_size
+            spawn(_calibrate_rank, world_size, out)
+            data = json.loads(Path(out).read_text())
+    gpus_per_node = torch.cuda.device_count() if torch.cuda.is_available() else world
+    return MachineProfile(
+        date=_dt.datetime.now(_dt.timezone.utc).date().isoformat(), world_size=world,
+        gpus_per_node=max(gpus_per_node, 1), command=command, **data,
+    )  # fmt: skip

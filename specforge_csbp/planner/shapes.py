@@ -1,0 +1,110 @@
+"""Model shapes for the cost model, read from a Hugging Face `config.json` (Qwen3/Llama style) or a DFlash
+drafter config (SpecForge / SGLang fields: `dflash_config.target_layer_ids`, `layer_types`, `sliding_window`).
+
+Only what the cost model needs: per-layer GEMM widths, attention heads, vocabulary, per-layer windows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ModelShape", "load_shape"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool
+    windows: tuple[int | None, ...]  # per layer: sliding window, None = full attention
+    drafter: bool = False
+    features: int = 0  # drafter: number of target layers whose hidden states form the context
+    target_hidden: int = 0  # drafter: target hidden size (width of one feature)
+
+    # -- FLOPs (multiply-add = 2) and parameters ----------------------------------------------
+    @property
+    def qkv_width(self) -> int:
+        return (self.heads + 2 * self.kv_heads) * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        """Weights of one decoder layer (q, k, v, o, gate, up, down; norms are negligible)."""
+        h = self.hidden
+        return h * self.qkv_width + self.heads * self.head_dim * h + 3 * h * self.intermediate
+
+    def layer_gemm_flops_per_row(self) -> int:
+        """Forward GEMM FLOPs of one token row through one layer."""
+        return 2 * self.layer_params
+
+    @property
+    def trainable_params(self) -> int:
+        if self.drafter:  # fc (features -> hidden) + draft layers; embeddings and LM head are the target's
+            return self.features * self.target_hidden * self.hidden + self.layers * self.layer_params
+        emb = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return emb + self.layers * self.layer_params
+
+    @property
+    def frozen_params(self) -> int:
+        """Drafter: the target's embedding and LM head (frozen, kept in the training dtype)."""
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2) if self.drafter else 0
+
+    def attention_flops_per_pair(self) -> int:
+        """Forward FLOPs of one visible (query, key) pair in one layer: QK^T and PV over all heads."""
+        return 4 * self.heads * self.head_dim
+
+
+def _get(cfg: dict[str, Any], name: str, path: str) -> Any:
+    if name not in cfg:
+        raise ValueError(f"model config {path}: missing field {name!r}")
+    return cfg[name]
+
+
+def load_shape(config: str | os.PathLike | dict[str, Any], *, workload: str | None = None) -> ModelShape:
+    """A ModelShape from a config.json path or dict; drafter configs are recognised by their fields."""
+    path = "<dict>" if isinstance(config, dict) else os.fspath(config)
+    if isinstance(config, dict):
+        cfg = config
+    else:
+        try:
+            with open(config) as f:
+                cfg = json.load(f)
+        except FileNotFoundError:
+            raise ValueError(f"model: config file {path} not found") from None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"model: {path} is not JSON ({err.msg}, line {err.lineno})") from None
+    if "text_config" in cfg:  # multimodal wrappers keep the LM in text_config
+        cfg = {**cfg["text_config"], **{k: v for k, v in cfg.items() if k in ("dflash_config", "architectures")}}
+    hidden = int(_get(cfg, "hidden_size", path))
+    heads = int(_get(cfg, "num_attention_heads", path))
+    layers = int(_get(cfg, "num_hidden_layers", path))
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types") or ["full_attention"] * layers
+    if len(types) != layers:
+        raise ValueError(f"model config {path}: layer_types has {len(types)} entries, num_hidden_layers is {layers}")
+    use_window = cfg.get("use_sliding_window", True)
+    windows = tuple(int(window) if (t == "sliding_attention" and window and use_window) else None for t in types)
+    archs = " ".join(cfg.get("architectures") or [])
+    dflash = cfg.get("dflash_config") or {}
+    is_drafter = "DFlash" in archs or bool(dflash) or "num_target_layers" in cfg
+    if workload is not None and (workload == "drafter") != is_drafter:
+        kind = "a DFlash drafter config" if workload == "drafter" else "a causal LM config (not a drafter)"
+        raise ValueError(f"workload {workload!r} needs {kind}; {path} is {'a drafter' if is_drafter else 'not a drafter'}")
+    features = len(dflash.get("target_layer_ids") or []) or layers  # DFlash default: one feature per draft layer
+    return ModelShape(
+        name=os.path.splitext(os.path.basename(path))[0], hidden=hidden,
+        intermediate=int(_get(cfg, "intermediate_size", path)), layers=layers, heads=heads,
+        kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=head_dim,
+        vocab=int(_get(cfg, "vocab_size", path)), tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        windows=windows, drafter=is_drafter, features=features if is_drafter else 0,
+        target_hidden=int(cfg.get("target_hidden_size") or hidden) if is_drafter else 0,
+    )  # fmt: skip

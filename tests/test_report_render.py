@@ -1,0 +1,124 @@
+"""`specforge-csbp report`: markdown, speedups, CSV and PNGs regenerated from synthetic records."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specforge_csbp.bench.compare import speedups
+from specforge_csbp.bench.records import load_records
+from specforge_csbp.bench.report import write_report
+from specforge_csbp.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rec(workload, mode, ctx, tps, *, status="ok", date="2025-11-30", device="H200", ws=2, bs=16, **extra):
+    r = dict(workload=workload, mode=mode, world_size=ws, context_len=ctx, block_size=bs, status=status,
+             device=device, date=date, command=f"bench --mode {mode} --context {ctx} --date {date}")  # fmt: skip
+    if status == "ok":
+        r.update(step_ms=1000.0 * ctx / tps, tokens_per_s=tps, peak_mem_gib=ctx / 2**16 * 1.5)
+    r.update(extra)
+    return r
+
+
+def _synthetic(tmp: Path) -> list[dict]:
+    """Attention and drafter records (a JSON list file and a JSON-lines file) with OOM and error points."""
+    attn = []
+    for i, ctx in enumerate((1 << 16, 1 << 17, 1 << 18)):
+        for mode, tps in (("cp", 1000.0 - 100 * i), ("bp", 1100.0 - 200 * i), ("csbp", 1700.0 - 150 * i)):
+            status = "oom" if (mode == "bp" and ctx == 1 << 18) else "ok"
+            attn.append(_rec("attention", mode, ctx, tps, status=status, useful_tflops_per_gpu=100.0 + i,
+                             exposed_comm_ms=0.5 * i))  # fmt: skip
+    # a second day: must never be compared with the first day's records
+    attn.append(_rec("attention", "cp", 1 << 16, 10.0, date="2025-12-01"))
+    drafter = [
+        _rec("drafter", "cp", 1 << 16, 300.0, anchors=512),
+        _rec("drafter", "csbp", 1 << 16, 450.0, anchors=512),
+        _rec("drafter", "csbp", 1 << 16, 470.0, anchors=512),  # a repeat: the faster one stands
+        _rec("drafter", "cp", 1 << 17, 0.0, status="error", anchors=512),
+        _rec("drafter", "csbp", 1 << 17, 200.0, anchors=512),
+        _rec("drafter", "csbp", 1 << 17, 900.0, anchors=1024),  # other config: no partner
+    ]
+    (tmp / "results").mkdir()
+    (tmp / "results" / "attn.json").write_text(json.dumps(attn))
+    (tmp / "results" / "sub").mkdir()
+    (tmp / "results" / "sub" / "drafter.jsonl").write_text("".join(json.dumps(r) + "\n" for r in drafter))
+    return attn + drafter
+
+
+def _render(tmp: Path, name: str) -> tuple[str, dict[str, str]]:
+    doc = tmp / name / "benchmarks.md"
+    rc = main(["report", "--results", str(tmp / "results"), "--out", str(doc), "--csv", str(tmp / name / "r.csv")])
+    assert rc == 0
+    imgs = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((tmp / name / "img").glob("*.png"))}
+    return doc.read_text(), imgs
+
+
+def test_report_tables_speedups_plots_csv_deterministic(tmp_path):
+    raw = _synthetic(tmp_path)
+    text, imgs = _render(tmp_path, "a")
+    text2, imgs2 = _render(tmp_path, "b")
+    assert text == text2 and imgs == imgs2  # same records -> same bytes (markdown and PNGs)
+
+    # one section per workload, every plot written and linked relative to the markdown file
+    assert text.count("\n## ") == 2 and "## attention" in text and "## drafter" in text
+    for w in ("attention", "drafter"):
+        for kind in ("tokens_per_s", "speedup", "peak_mem"):
+            assert f"{w}_{kind}.png" in imgs
+            assert f"](img/{w}_{kind}.png)" in text
+    # every record is one table row (rows end with a run reference) and one CSV row
+    assert sum(line.startswith("| ") and line.rstrip().endswith("] |") for line in text.splitlines()) == len(raw)
+    with open(tmp_path / "a" / "r.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(raw) and {"anchors", "useful_tflops_per_gpu"} <= set(rows[0])
+    # attention-only columns and extras appear; every distinct command is listed with device and date
+    assert "useful TFLOP/s/GPU" in text and "exposed comm ms" in text and "| anchors |" in text
+    for r in raw:
+        assert f"{r['device']}, {r['date']}: `{r['command']}`" in text
+
+    # speedups: recomputed here from the raw numbers, compared with what the report printed
+    attn = [r for r in raw if r["workload"] == "attention" and r["date"] == "2025-11-30"]
+    for ctx in (1 << 16, 1 << 17, 1 << 18):
+        at = {r["mode"]: r for r in attn if r["context_len"] == ctx}
+        cells = [f"{at['csbp']['tokens_per_s'] / at['cp']['tokens_per_s']:.2f}x"]
+        cells.append("bp oom" if at["bp"]["status"] == "oom" else
+                     f"{at['csbp']['tokens_per_s'] / at['bp']['tokens_per_s']:.2f}x")  # fmt: skip
+        line = next(x for x in text.splitlines() if x.startswith(f"| {ctx} | 2 | 16 | H200 | 2025-11-30"))
+        assert line.endswith(" | ".join(cells) + " |"), line
+    recs = load_records(tmp_path / "results")
+    spd = {(s.key[0], s.key[1], s.key[4], s.other_mode): s for s in speedups(recs)}
+    assert not any(k[2] == "2025-12-01" for k in spd)  # the lone second-day record has no partner
+    d = spd[("drafter", 1 << 16, "2025-11-30", "cp")]
+    assert d.value == pytest.approx(470.0 / 300.0)  # the faster CSBP repeat stands for the mode
+    assert spd[("drafter", 1 << 17, "2025-11-30", "cp")].text == "cp error"
+    assert sum(s.key[0] == "drafter" for s in spd.values()) == 2  # anchors=1024 is never compared
+
+
+def test_report_empty_and_bad_records(tmp_path):
+    (tmp_path / "results").mkdir()
+    recs = write_report(tmp_path / "results", tmp_path / "doc.md")
+    assert recs == [] and "No records yet." in (tmp_path / "doc.md").read_text()
+    (tmp_path / "results" / "bad.json").write_text(json.dumps([{"workload": "x", "mode": "warp"}]))
+    with pytest.raises(ValueError, match="mode"):
+        write_report(tmp_path / "results", tmp_path / "doc.md")
+
+
+def test_render_script_runs_from_any_directory(tmp_path):
+    _synthetic(tmp_path)
+    out = tmp_path / "doc" / "benchmarks.md"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "render_benchmarks.py"), "--results", str(tmp_path / "results"),
+         "--out", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "MPLBACKEND": "Agg"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "15 records" not in proc.stdout and "16 records" in proc.stdout
+    assert (tmp_path / "doc" / "img" / "drafter_speedup.png").exists()
