@@ -1,0 +1,265 @@
+"""DFlash and DFlash2 draft models (transformers conventions, SGLang parameter names).
+
+    target features [Nc, K*H] --fc--> hidden_norm --> context c        (no queries; K/V per layer)
+    draft blocks    [anchor, MASK x (S-1)] --target embedding--> x     (the only queries)
+
+    per layer:  x += o_proj(attn(q(x), [k(c); k(x)], [v(c); v(x)]))    (DFlash2: conv around attn)
+                x += mlp(x)                                            (DFlash2: conv around mlp)
+    out = norm(x)  -> the target's frozen LM head (objectives/dflash.py)
+
+Who sees what is the one visibility rule (masks/visibility.py): a block's queries see context positions
+< anchor and their own block; sliding layers add a window and (unless is_causal = false) causality inside
+the block. The attention itself is a callable per layer type, `attend(q, k, v) -> (out, lse)` over the
+kv rows [selected context rows ; block rows] - a `ShardedAttention` of the step's plan (sharding.py), so
+the same model runs the reference, DP, CP and CSBP. Without one, the model builds the single-process plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RotaryEmbedding, rotate_half
+
+from .configuration import DFLASH2_ARCH, DFLASH_ARCH, DFlashConfig
+from .conv import DFlashGroupedConv
+from .selector import CandidateSelector
+
+__all__ = ["DFlash2DraftModel", "DFlashDraftModel", "DFlashPreTrainedModel", "LayerAttention"]
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer type attends with: `attend(q, k, v)` and which context rows feed its K/V."""
+
+    attend: Attend
+    ctx_index: torch.Tensor | None = None  # rows of the (local) context; None = all of them
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, N, D]; cos/sin [B, N, D]."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__()
+        self.head_dim = int(config.head_dim)
+        self.num_heads, self.num_kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+        h, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def _heads(self, t: torch.Tensor, heads: int) -> torch.Tensor:
+        return t.unflatten(-1, (heads, self.head_dim)).transpose(1, 2)  # [B, heads, N, D]
+
+    def context_kv(
+        self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of context rows (one GEMM for both): k-norm and RoPE at the context positions."""
+        weight = torch.cat([self.k_proj.weight, self.v_proj.weight])
+        bias = None if self.k_proj.bias is None else torch.cat([self.k_proj.bias, self.v_proj.bias])
+        k, v = F.linear(ctx, weight, bias).split(self.num_kv_heads * self.head_dim, dim=-1)
+        k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim))).transpose(1, 2)
+        return _rope(k, cos, sin), self._heads(v, self.num_kv_heads)
+
+    def forward(self, x, ctx, rope_q, rope_ctx, attend: Attend) -> torch.Tensor:
+        q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))).transpose(1, 2)
+        v = self._heads(self.v_proj(x), self.num_kv_heads)
+        q, k = _rope(q, *rope_q), _rope(k, *rope_q)
+        k_ctx, v_ctx = self.context_kv(ctx, *rope_ctx)
+        out, _ = attend(q, torch.cat([k_ctx, k], dim=2), torch.cat([v_ctx, v], dim=2))
+        return self.o_proj(out.transpose(1, 2).flatten(-2))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.attention_conv = self.mlp_conv = None
+        if config.is_dflash2:
+            args = (
+                config.hidden_size,
+                config.draft_block_size,
+                config.dflash2_field("conv_kernel_size"),
+                config.dflash2_field("conv_group_size"),
+            )
+            self.attention_conv, self.mlp_conv = DFlashGroupedConv(*args), DFlashGroupedConv(*args)
+
+    def forward(self, x, ctx, rope_q, rope_ctx, attend: Attend) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.attention_conv is not None:
+            h, coef = self.attention_conv.prepare(h)
+        h = self.self_attn(h, ctx, rope_q, rope_ctx, attend)
+        if self.attention_conv is not None:
+            h = self.attention_conv.finish(h, coef)
+        x = x + h
+        h = self.post_attention_layernorm(x)
+        if self.mlp_conv is not None:
+            h, coef = self.mlp_conv.prepare(h)
+        h = self.mlp(h)
+        if self.mlp_conv is not None:
+            h = self.mlp_conv.finish(h, coef)
+        return x + h
+
+
+def _init():
+    try:  # transformers >= 5: init functions that skip weights loaded from a checkpoint
+        from transformers import initialization
+
+        return initialization
+    except ImportError:  # pragma: no cover - transformers 4.x
+        from types import SimpleNamespace
+
+        def copy_(t, other):
+            with torch.no_grad():
+                return t.copy_(other)
+
+        return SimpleNamespace(
+            normal_=nn.init.normal_, zeros_=nn.init.zeros_, ones_=nn.init.ones_, copy_=copy_
+        )
+
+
+class DFlashPreTrainedModel(PreTrainedModel):
+    config_class = DFlashConfig
+    base_model_prefix = "model"
+    _no_split_modules = ("DFlashDecoderLayer",)
+    supports_gradient_checkpointing = False
+
+    def _init_weights(self, module: nn.Module) -> None:
+        init, std = _init(), self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.RMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, DFlashGroupedConv):  # children (kernel_projection) are initialised first
+            identity = torch.zeros_like(module.base_kernel)
+            identity[:, 0] = 1.0
+            init.copy_(module.base_kernel, identity)
+            init.zeros_(module.kernel_projection.weight)
+        elif isinstance(module, CandidateSelector):
+            init.normal_(module.predecessor_codebook, mean=0.0, std=std)
+            init.zeros_(module.successor_codebook)
+
+
+class DFlashDraftModel(DFlashPreTrainedModel):
+    """DFlash drafter. `forward` returns the final-normed hidden states of the draft-block rows."""
+
+    _architecture = DFLASH_ARCH
+
+    def __init__(self, config: DFlashConfig):
+        if not isinstance(config, DFlashConfig):
+            config = DFlashConfig(**config.to_dict())
+        config.validate_dflash()
+        if config.architecture != self._architecture:
+            raise ValueError(
+                f"architectures: {type(self).__name__} needs [{self._architecture!r}]; got {config.architectures}"
+            )
+        super().__init__(config)
+        h = config.hidden_size
+        self.block_size = config.draft_block_size
+        self.target_layer_ids = config.target_layer_ids
+        self.mask_token_id = config.mask_token_id
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = nn.RMSNorm(h, eps=config.rms_norm_eps)
+        self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
+        self.hidden_norm = nn.RMSNorm(h, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        if config.is_dflash2:
+            self.candidate_selector = CandidateSelector(
+                h,
+                config.vocab_size,
+                config.dflash2_field("selector_rank"),
+                config.dflash2_field("selector_top_k"),
+            )
+        self.post_init()
+
+    @property
+    def layer_types(self) -> list[str]:
+        return [layer.layer_type for layer in self.layers]
+
+    def check_features(self, features: torch.Tensor) -> None:
+        width = len(self.target_layer_ids) * self.config.hidden_size
+        if features.shape[-1] != width:
+            raise ValueError(
+                f"features: last dim {features.shape[-1]} != len(dflash_config.target_layer_ids) = "
+                f"{len(self.target_layer_ids)} x hidden_size = {self.config.hidden_size} = {width}"
+            )
+
+    def project_context(self, features: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+        """[B, Nc, K*H] target features (or consecutive pieces of them, e.g. one per stored interval, which
+        avoids copying the widest tensor of the step) -> [B, Nc, H] context states (fc + hidden_norm)."""
+        if isinstance(features, torch.Tensor):
+            features = [features]
+        for part in features:
+            self.check_features(part)
+        projected = [self.hidden_norm(self.fc(part.to(self.fc.weight.dtype))) for part in features]
+        return projected[0] if len(projected) == 1 else torch.cat(projected, dim=1)
+
+    def forward(
+        self,
+        noise_embedding: torch.Tensor,
+        position_ids: torch.Tensor,
+        target_hidden: torch.Tensor | Sequence[torch.Tensor],
+        context_position_ids: torch.Tensor,
+        attention: Mapping[str, LayerAttention] | None = None,
+    ) -> torch.Tensor:
+        """noise_embedding [B, N*S, H] (target embeddings of [anchor, MASK...] per block), position_ids [N*S],
+        target_hidden [B, Nc, K*H] context features (or its consecutive pieces) at context_position_ids [Nc]
+        -> hidden [B, N*S, H].
+
+        `attention` maps each layer type to its LayerAttention; None builds the single-process reference
+        (anchors read from position_ids[::block_size]).
+        """
+        if noise_embedding.shape[1] % self.block_size:
+            raise ValueError(
+                f"noise_embedding rows ({noise_embedding.shape[1]}) must be whole blocks of {self.block_size}"
+            )
+        if attention is None:
+            from .sharding import reference_attention
+
+            attention = reference_attention(
+                self.config, position_ids[:: self.block_size], context_position_ids
+            )
+        ctx = self.project_context(target_hidden)
+        x = noise_embedding
+        rope_q = self.rotary_emb(x, position_ids.reshape(1, -1).to(x.device))
+        rope_ctx_all = self.rotary_emb(ctx, context_position_ids.reshape(1, -1).to(ctx.device))
+        selected: dict[str, tuple] = {}
+        for layer in self.layers:
+            spec = attention[layer.layer_type]
+            if layer.layer_type not in selected:  # context rows (and their RoPE) per layer type, once
+                if spec.ctx_index is None:
+                    selected[layer.layer_type] = (ctx, rope_ctx_all)
+                else:
+                    idx = spec.ctx_index.to(ctx.device)
+                    selected[layer.layer_type] = (
+                        ctx.index_select(1, idx),
+                        tuple(t.index_select(1, idx) for t in rope_ctx_all),
+                    )
+            ctx_l, rope_ctx = selected[layer.layer_type]
+            x = layer(x, ctx_l, rope_q, rope_ctx, spec.attend)
+        return self.norm(x)
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """DFlash2: grouped dynamic convolutions around every sublayer and a candidate selector."""
+
+    _architecture = DFLASH2_ARCH

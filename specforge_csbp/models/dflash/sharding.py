@@ -1,0 +1,363 @@
+"""Per-rank plans for one drafter step, in modes reference, DP, CP and CSBP, built on `layout.build_plans`.
+
+Rows of one sequence (global numbering): context rows are positions 0..L-1 (CLEAN, no queries); draft
+block i (anchor a_i) is rows L + i*S .. L + i*S + S-1 (NOISY, block = i, start = a_i).
+
+    mode       context rows of rank r (K/V computed here)     draft blocks of rank r     per layer
+    reference  all                                            all                        -
+    dp         all (whole sequence on its rank)               all                        -
+    cp         zigzag shard r                                 all (duplicated)           merge partial outputs
+    csbp       zigzag shard r                                 owned (dual-end by cost)   all-gather shard K/V
+
+CSBP: every rank all-gathers the context K/V shards (overlapped with attention over its own rows) and its
+owned blocks attend to all of it; gradients of the gathered K/V are reduce-scattered to their owners.
+CP, the honest conventional baseline, duplicates only the block-local work: every rank attends all blocks
+to its own context shard, and the partial outputs are LSE-merged over the group (`MergedAttention`; the
+blocks' own keys count on rank 0 only). Attention work is split, never duplicated.
+
+Sliding-window layers get their own plan: a block at anchor a needs context [a - W + 1, a) only, so a rank
+computes K/V for the rows of its shard that some anchor needs, and shares only the rows that anchors on
+other ranks need (with P = 2 that is exactly what the other rank receives). Row counts can be padded to a
+multiple of `bucket` (static shapes for compiled kernels) with rows nobody needs - invisible to every query
+by the rule, so padding never changes a result.
+
+Anchors are owned whole: `assign_dual_end` on per-anchor cost (visible context keys of every layer plus the
+block-local work expressed in key units), heaviest paired with lightest. CP keeps every anchor on every rank
+and scales its loss by 1/P, so each loss counts once in the gradient sum.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ...attention import merge_partials
+from ...distributed.collectives import COMM_STATS, CommStats
+from ...layout import CLEAN, NOISY, ShardPlan, TokenSet, ZigzagShards, assign_dual_end
+from ...layout.plans import build_plans
+from ...masks.visibility import Visibility
+from ...parallel.sharded_attention import ShardedAttention
+from .configuration import DFlashConfig
+from .modeling import LayerAttention
+
+__all__ = [
+    "DRAFTER_MODES",
+    "DrafterPlan",
+    "LayerPlan",
+    "MergedAttention",
+    "RuleAttention",
+    "anchor_costs",
+    "drafter_plans",
+    "plan_attention",
+    "reference_attention",
+]
+
+DRAFTER_MODES = ("reference", "dp", "cp", "csbp")
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One layer type's attention plan on one rank."""
+
+    shard: ShardPlan
+    ctx_index: torch.Tensor | None  # rows of the rank's context feeding this layer type (None: all)
+    window: int | None
+    noisy_causal: bool
+    merge: bool = False  # CP: partial outputs over the local shard, LSE-merged over the group
+
+
+@dataclass(frozen=True)
+class DrafterPlan:
+    mode: str
+    rank: int
+    world_size: int
+    seq_len: int
+    block_size: int
+    anchors: torch.Tensor  # [N] every anchor of the sequence (sorted positions)
+    owned: torch.Tensor  # indices into anchors whose blocks this rank computes
+    loss_scale: float  # 1/P in CP (duplicated blocks), else 1
+    sequence_share: float  # this rank's share of "one sequence" (for per-sequence denominators)
+    ctx_positions: torch.Tensor  # context rows held here (sorted positions)
+    ctx_intervals: tuple[tuple[int, int], ...]  # the same rows as [lo, hi) intervals (feature loading)
+    layers: Mapping[str, LayerPlan]
+
+    @property
+    def owned_anchors(self) -> torch.Tensor:
+        return self.anchors[self.owned]
+
+
+def _granule(seq_len: int, world_size: int) -> int:
+    """Zigzag chunk granularity: the largest power of two <= 128 dividing L that still gives every one of
+    the 2P chunks a granule (chunks stay tile-aligned on long sequences)."""
+    g = 128
+    while g > 1 and (seq_len % g or seq_len // g < 2 * world_size):
+        g //= 2
+    return g
+
+
+def anchor_costs(anchors: torch.Tensor, config: DFlashConfig) -> list[float]:
+    """Forward FLOPs of one anchor's block: attention over its visible context plus block-local work."""
+    S, H, D = config.draft_block_size, config.hidden_size, config.head_dim
+    heads, kv_heads, inter = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+    per_key = 4.0 * S * heads * D  # QK^T and PV for S queries
+    proj = 2.0 * H * D * (2 * heads + 2 * kv_heads) + 6.0 * H * inter  # q, o, k, v + MLP, per row
+    local = (
+        S * (config.num_hidden_layers * proj + 2.0 * H * config.vocab_size)
+        + per_key * S * config.num_hidden_layers
+    )
+    a = anchors.to(torch.float64)
+    keys = torch.zeros_like(a)
+    for kind in config.layer_types:
+        keys += a if kind == "full_attention" else a.clamp(max=float(config.sliding_window - 1))
+    return (keys * per_key + local).tolist()
+
+
+def _block_tokens(anchors: torch.Tensor, idx: torch.Tensor, S: int) -> TokenSet:
+    a = anchors[idx]
+    pos = (a[:, None] + torch.arange(S)).reshape(-1)
+    block = idx.repeat_interleave(S)
+    return TokenSet(pos, torch.full_like(pos, NOISY), block, a.repeat_interleave(S))
+
+
+def _ctx_tokens(pos: torch.Tensor) -> TokenSet:
+    return TokenSet(pos, torch.full_like(pos, CLEAN), torch.full_like(pos, -1), torch.zeros_like(pos))
+
+
+def _window_need(anchors: torch.Tensor, seq_len: int, window: int) -> torch.Tensor:
+    """bool [L]: positions in [a - W + 1, a) for some anchor a (a difference array, then a prefix sum)."""
+    diff = torch.zeros(seq_len + 1, dtype=torch.long)
+    if anchors.numel():
+        diff.index_add_(0, (anchors - window + 1).clamp(min=0), torch.ones_like(anchors))
+        diff.index_add_(0, anchors, -torch.ones_like(anchors))
+    return diff.cumsum(0)[:seq_len] > 0
+
+
+def _padded(chosen: torch.Tensor, spare: torch.Tensor, bucket: int) -> torch.Tensor:
+    """bool [L]: the chosen positions plus the first spare ones, up to a multiple of bucket rows."""
+    n = int(chosen.sum())
+    extra = min(-(-n // bucket) * bucket, n + int(spare.sum())) - n
+    out = chosen.clone()
+    if extra:
+        out[torch.nonzero(spare).flatten()[:extra]] = True
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _context_shards(
+    seq_len: int, world_size: int
+) -> tuple[list[torch.Tensor], list[tuple[tuple[int, int], ...]]]:
+    """Zigzag context rows (positions, intervals) per rank; anchor-independent, so cached across steps."""
+    if world_size == 1:
+        return [torch.arange(seq_len)], [((0, seq_len),)]
+    zig = ZigzagShards(seq_len, _granule(seq_len, world_size), world_size)
+    return [zig.rank_positions(r) for r in range(world_size)], [
+        tuple(zig.rank_intervals(r)) for r in range(world_size)
+    ]
+
+
+def drafter_plans(
+    mode: str,
+    seq_len: int,
+    anchors: torch.Tensor,
+    config: DFlashConfig,
+    world_size: int,
+    *,
+    bucket: int = 1,
+) -> list[DrafterPlan]:
+    """Every rank's plan for one sequence (pure: each rank computes all and keeps its own)."""
+    if mode not in DRAFTER_MODES:
+        raise ValueError(f"mode must be one of {', '.join(DRAFTER_MODES)}; got {mode!r}")
+    if mode in ("reference", "dp") and world_size != 1:
+        raise ValueError(f"mode {mode!r} plans one sequence on one rank (world_size 1); got {world_size}")
+    if bucket < 1:
+        raise ValueError(f"bucket must be >= 1; got {bucket}")
+    anchors = anchors.to(torch.long).cpu()
+    L, S, P, N = seq_len, config.draft_block_size, world_size, anchors.numel()
+    if N == 0:
+        raise ValueError("anchors: a drafter step needs at least one anchor")
+    if int(anchors.max()) >= L - 1 or int(anchors.min()) < 0:
+        raise ValueError(
+            f"anchors must lie in [0, seq_len - 1) = [0, {L - 1}); got {anchors.min()}..{anchors.max()}"
+        )
+    everything = torch.arange(N)
+    if mode == "csbp":
+        owned = [
+            torch.tensor(o, dtype=torch.long)
+            for o in assign_dual_end(anchor_costs(anchors, config), P, what="anchors").items
+        ]
+    else:
+        owned = [everything] * P
+    ctx_pos, intervals = _context_shards(L, P)
+    q_rows = [L + (owned[r][:, None] * S + torch.arange(S)).reshape(-1) for r in range(P)]
+    q_tok = [_block_tokens(anchors, owned[r], S) for r in range(P)]
+    shares = P > 1 and mode == "csbp"  # CP merges partial outputs instead of sharing K/V
+    merge = P > 1 and mode == "cp"
+    # CP: the blocks' own keys are everywhere but must count once in the merged output -> PAD beyond rank 0
+    own_keys = [
+        q_tok[r] if not (merge and r) else q_tok[r].masked(torch.ones(len(q_tok[r]), dtype=torch.bool))
+        for r in range(P)
+    ]
+
+    layers: list[dict[str, LayerPlan]] = [{} for _ in range(P)]
+    for kind in dict.fromkeys(config.layer_types):
+        window = config.sliding_window if kind == "sliding_attention" else None
+        causal = config.sliding_layers_causal if window is not None else False
+        kv_rows, kv_tok, shared, index = [], [], [], []
+        for r in range(P):
+            if window is None:
+                keep, share_pos, idx = ctx_pos[r], ctx_pos[r] if shares else ctx_pos[r][:0], None
+            else:
+                in_shard = torch.zeros(L, dtype=torch.bool)
+                in_shard[ctx_pos[r]] = True
+                own_need = _window_need(anchors[owned[r]], L, window)
+                if not shares:
+                    other_need = torch.zeros(L, dtype=torch.bool)
+                else:
+                    others = torch.cat([owned[o] for o in range(P) if o != r])
+                    other_need = _window_need(anchors[others], L, window)
+                needed = in_shard & (own_need | other_need)
+                keep_mask = _padded(needed, in_shard & ~needed, bucket)  # padding rows: nobody's window
+                share_mask = in_shard & other_need
+                if shares:  # padding rows: in no other rank's window
+                    share_mask = _padded(share_mask, keep_mask & ~share_mask, bucket)
+                keep, share_pos = torch.nonzero(keep_mask).flatten(), torch.nonzero(share_mask).flatten()
+                idx = torch.searchsorted(ctx_pos[r], keep)
+            kv_rows.append(torch.cat([keep, q_rows[r]]))
+            kv_tok.append(TokenSet.cat([_ctx_tokens(keep), own_keys[r]]))
+            shared.append(torch.searchsorted(keep, share_pos))
+            index.append(idx)
+        shards = build_plans(q_rows, q_tok, kv_rows, kv_tok, shared)
+        for r in range(P):
+            layers[r][kind] = LayerPlan(shards[r], index[r], window, causal, merge)
+
+    plans = []
+    for r in range(P):
+        plans.append(
+            DrafterPlan(
+                mode=mode,
+                rank=r,
+                world_size=P,
+                seq_len=L,
+                block_size=S,
+                anchors=anchors,
+                owned=owned[r],
+                loss_scale=1.0 / P if mode == "cp" else 1.0,
+                sequence_share=1.0 / P,
+                ctx_positions=ctx_pos[r],
+                ctx_intervals=intervals[r],
+                layers=layers[r],
+            )
+        )
+    return plans
+
+
+class RuleAttention(ShardedAttention):
+    """ShardedAttention whose visibility adds the sliding window / in-block causality of a layer type."""
+
+    def __init__(self, plan: ShardPlan, block_size: int, *, window: int | None, noisy_causal: bool, **kwargs):
+        super().__init__(plan, block_size, **kwargs)
+        if window is not None or noisy_causal:
+            rule = {"window": window, "noisy_causal": noisy_causal}
+            self.local = Visibility(plan.q_tokens, plan.kv_tokens, block_size, **rule)
+            if self.remote is not None:
+                self.remote = Visibility(plan.q_tokens, plan.remote_kv_tokens, block_size, **rule)
+
+
+class _GatherPartials(torch.autograd.Function):
+    """All-gather of a partial result (out [B, H, N, D] in its dtype, lse [B, H, N] in fp32/fp64); backward =
+    reduce-scatter of the gradients (every rank's replica of the merged output fed its own copy of the loss).
+    communicate=False (benchmark control) stands in local copies for the collectives."""
+
+    @staticmethod
+    def forward(ctx, out, lse, group, world, stats, communicate):
+        ctx.group, ctx.world, ctx.stats, ctx.communicate = group, world, stats, communicate
+        res = []
+        for t in (out.contiguous(), lse.contiguous()):
+            buf = t.new_empty((world * t.shape[0],) + tuple(t.shape[1:]))  # rank-major along dim 0
+            if communicate:
+                dist.all_gather_into_tensor(buf, t, group=group)
+                stats.add("all_gather_partials", t.numel() * t.element_size() * (world - 1))
+            else:
+                buf.view((world,) + tuple(t.shape)).copy_(t.expand((world,) + tuple(t.shape)))
+            res.append(buf.view((world,) + tuple(t.shape)))
+        return tuple(res)
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        grads = []
+        for g in (d_out, d_lse):
+            shard = g.new_empty(g.shape[1:])
+            if ctx.communicate:
+                dist.reduce_scatter_tensor(shard, g.contiguous().flatten(0, 1), group=ctx.group)
+                ctx.stats.add(
+                    "reduce_scatter_partials", shard.numel() * shard.element_size() * (ctx.world - 1)
+                )
+            else:
+                torch.sum(g, dim=0, out=shard)
+            grads.append(shard)
+        return grads[0], grads[1], None, None, None, None
+
+
+class MergedAttention:
+    """CP: attention of the (replicated) queries over this rank's keys, merged over the group by LSE."""
+
+    def __init__(self, local: ShardedAttention, group, stats: CommStats, communicate: bool = True):
+        self.local, self.group, self.stats, self.communicate = local, group, stats, communicate
+        self.world = dist.get_world_size(group)
+
+    def __call__(self, q, k, v, *, scale=None):
+        out, lse = self.local(q, k, v, scale=scale)
+        outs, lses = _GatherPartials.apply(out, lse, self.group, self.world, self.stats, self.communicate)
+        out, lse = outs[0], lses[0]
+        for p in range(1, self.world):
+            out, lse = merge_partials(out, lse, outs[p], lses[p])
+        return out, lse
+
+
+def plan_attention(
+    plan: DrafterPlan,
+    *,
+    group: dist.ProcessGroup | None = None,
+    backend: str = "auto",
+    communicate: bool = True,
+    stats: CommStats = COMM_STATS,
+) -> dict[str, LayerAttention]:
+    """The model's `attention` argument for this rank's plan (one executor per layer type)."""
+    out = {}
+    for kind, lp in plan.layers.items():
+        attn = RuleAttention(
+            lp.shard, plan.block_size, window=lp.window, noisy_causal=lp.noisy_causal,
+            group=group if plan.world_size > 1 else None, backend=backend, communicate=communicate, stats=stats,
+        )  # fmt: skip
+        if lp.merge:
+            attn = MergedAttention(attn, group, stats, communicate)
+        out[kind] = LayerAttention(attn, lp.ctx_index)
+    return out
+
+
+def reference_attention(
+    config: DFlashConfig, anchors: torch.Tensor, context_positions: torch.Tensor, *, backend: str = "auto"
+) -> dict[str, LayerAttention]:
+    """Single-process attention for blocks at `anchors` over context rows at `context_positions` (any set)."""
+    anchors, ctx = anchors.to(torch.long).cpu(), context_positions.to(torch.long).reshape(-1).cpu()
+    S = config.draft_block_size
+    idx = torch.arange(anchors.numel())
+    q_tok = _block_tokens(anchors, idx, S)
+    top = int(ctx.max()) + 1 if ctx.numel() else 0
+    q_rows = top + torch.arange(idx.numel() * S)
+    kv_tok = TokenSet.cat([_ctx_tokens(ctx), q_tok])
+    shard = build_plans(
+        [q_rows], [q_tok], [torch.cat([ctx, q_rows])], [kv_tok], [torch.zeros(0, dtype=torch.long)]
+    )[0]
+    out = {}
+    for kind in dict.fromkeys(config.layer_types):
+        window = config.sliding_window if kind == "sliding_attention" else None
+        causal = config.sliding_layers_causal if window is not None else False
+        out[kind] = LayerAttention(
+            RuleAttention(shard, S, window=window, noisy_causal=causal, backend=backend)
+        )
+    return out

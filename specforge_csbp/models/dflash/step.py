@@ -1,0 +1,205 @@
+"""One drafter training step (forward + backward) in mode reference, DP, CP or CSBP.
+
+    every rank: sample anchors (seed, step, sample) -> plans (pure) -> global denominator (all-reduce)
+    per sequence it works on:
+        features of its context rows (store intervals) -> model(blocks, context, plan attention)
+        -> loss numerators of its blocks (vocab through the frozen LM head, selector) -> backward
+    gradients summed over the group (all-reduce), metrics all-reduced
+
+DP gives whole sequences to ranks (sequence i on rank i % P); CP and CSBP run every sequence on all ranks
+with its context zigzag-sharded (sharding.py). Every mode's loss and parameter gradients equal the
+single-process reference (tests/test_dflash_parallel.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ...distributed.collectives import COMM_STATS, CommStats
+from ...objectives.dflash import (
+    BlockTargets,
+    DFlashObjective,
+    block_targets,
+    denominator_part,
+    loss_terms,
+    sample_anchors,
+)
+from .modeling import DFlashDraftModel
+from .sharding import DRAFTER_MODES, DrafterPlan, drafter_plans, plan_attention
+
+__all__ = ["DrafterSample", "StepResult", "drafter_step", "load_context", "prepare_step", "sync_gradients"]
+
+FeatureSource = torch.Tensor | Callable[[int, int], torch.Tensor]
+
+
+@dataclass
+class DrafterSample:
+    """One sequence: token ids and loss mask (whole, small) and its target features [L, K*H] - a tensor or
+    a loader `(lo, hi) -> rows lo..hi-1`, so a rank reads only its own context intervals."""
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    features: FeatureSource
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.input_ids.numel())
+
+
+@dataclass
+class StepResult:
+    loss: float  # global loss of the step (identical on every rank)
+    metrics: dict[str, float]  # global: acc, supervised, selector_coverage, selector_loss, ...
+    plans: list[DrafterPlan] = field(default_factory=list)  # this rank's plans (one per sequence it ran)
+
+
+def load_context(sample: DrafterSample, intervals, device, dtype, width: int) -> list[torch.Tensor]:
+    """This rank's context feature rows, one [1, rows, width] piece per interval (never concatenated: the
+    features are the widest tensor of the step); one empty piece when the rank holds none."""
+    parts = []
+    for lo, hi in intervals:
+        rows = (
+            sample.features[lo:hi] if isinstance(sample.features, torch.Tensor) else sample.features(lo, hi)
+        )
+        parts.append(rows.to(device=device, dtype=dtype, non_blocking=True)[None])
+    return parts or [torch.empty((1, 0, width), device=device, dtype=dtype)]
+
+
+def sync_gradients(params: Sequence[torch.nn.Parameter], group=None) -> None:
+    """Sum gradients over the group (missing ones count as zero), one async all-reduce per tensor."""
+    works = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        works.append(dist.all_reduce(p.grad, group=group, async_op=True))
+    for w in works:
+        w.wait()
+
+
+def _world(mode: str, group) -> tuple[int, int]:
+    if mode == "reference" or not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+Work = list[tuple[DrafterSample, DrafterPlan, BlockTargets]]
+
+
+def prepare_step(
+    config,
+    samples: Sequence[DrafterSample],
+    *,
+    objective: DFlashObjective,
+    mode: str,
+    step: int = 0,
+    group: dist.ProcessGroup | None = None,
+    bucket: int = 1,
+) -> Work:
+    """The device-free part of a step (anchors, plans, block targets) - pure, so it can run ahead of time,
+    e.g. in a thread while the previous step runs on the GPU."""
+    if mode not in DRAFTER_MODES:
+        raise ValueError(f"mode must be one of {', '.join(DRAFTER_MODES)}; got {mode!r}")
+    world, rank = _world(mode, group)
+    S = config.draft_block_size
+    work: Work = []
+    for i, sample in enumerate(samples):
+        if mode == "dp" and i % world != rank:
+            continue
+        anchors = sample_anchors(sample.loss_mask, objective, block_size=S, step=step, sample_index=i)
+        if mode in ("reference", "dp"):
+            plan = drafter_plans("reference", sample.seq_len, anchors, config, 1, bucket=bucket)[0]
+        else:
+            plan = drafter_plans(mode, sample.seq_len, anchors, config, world, bucket=bucket)[rank]
+        blocks = block_targets(
+            sample.input_ids.cpu(), sample.loss_mask.cpu(), plan.owned_anchors, S, config.mask_token_id
+        )
+        work.append((sample, plan, blocks))
+    return work
+
+
+def drafter_step(
+    model: DFlashDraftModel,
+    samples: Sequence[DrafterSample],
+    *,
+    objective: DFlashObjective,
+    mode: str,
+    head_weight: torch.Tensor,
+    embed_weight: torch.Tensor,
+    step: int = 0,
+    group: dist.ProcessGroup | None = None,
+    backend: str = "auto",
+    communicate: bool = True,
+    bucket: int = 1,
+    sync_grads: bool = True,
+    stats: CommStats = COMM_STATS,
+    prepared: Work | None = None,
+) -> StepResult:
+    """Forward + backward of one step; gradients land in model parameters (summed over the group).
+    `prepared`: this step's `prepare_step(...)` result, if computed ahead of time."""
+    if mode not in DRAFTER_MODES:
+        raise ValueError(f"mode must be one of {', '.join(DRAFTER_MODES)}; got {mode!r}")
+    if not samples:
+        raise ValueError("samples: a step needs at least one sequence")
+    world, _ = _world(mode, group)
+    S = model.block_size
+    device, dtype = model.fc.weight.device, model.fc.weight.dtype
+    selector = getattr(model, "candidate_selector", None)
+
+    if prepared is None:
+        prepared = prepare_step(
+            model.config, samples, objective=objective, mode=mode, step=step, group=group, bucket=bucket
+        )
+    work = prepared
+
+    # global denominator: every rank adds its share, one all-reduce
+    den = torch.zeros((), dtype=torch.float64)
+    for sample, plan, blocks in work:
+        if objective.loss_type == "dflash":
+            den += denominator_part(blocks, objective, S) * plan.loss_scale
+        else:
+            den += 1.0 if mode in ("reference", "dp") else plan.sequence_share
+    den = den.to(device)
+    if world > 1:
+        dist.all_reduce(den, group=group)
+
+    totals: dict[str, torch.Tensor] = {}
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for sample, plan, blocks in work:
+        feats = load_context(sample, plan.ctx_intervals, device, dtype, model.fc.in_features)
+        attention = plan_attention(plan, group=group, backend=backend, communicate=communicate, stats=stats)
+        emb = F.embedding(blocks.draft_ids.to(device).reshape(1, -1), embed_weight).to(dtype)
+        pos = (blocks.anchors[:, None] + torch.arange(S)).reshape(-1)
+        hidden = model(emb, pos, feats, plan.ctx_positions, attention=attention)
+        terms = loss_terms(hidden[0], head_weight, blocks, objective, selector=selector, step=step)
+        loss = terms.numerator * plan.loss_scale / den.to(terms.numerator.dtype)
+        loss.backward()
+        loss_sum += loss.detach().to(torch.float64)
+        for k, v in terms.stats.items():
+            totals[k] = totals.get(k, 0) + v.detach().to(torch.float64) * plan.loss_scale
+
+    names = ["nll", "weight", "correct", "supervised", "covered", "selector_ce", "selector_weight"]
+    vec = torch.stack(
+        [loss_sum] + [torch.as_tensor(totals.get(k, 0.0), dtype=torch.float64, device=device) for k in names]
+    )
+    if world > 1:
+        if sync_grads:
+            sync_gradients([p for p in model.parameters() if p.requires_grad], group)
+        dist.all_reduce(vec, group=group)
+    vals = dict(zip(["loss"] + names, vec.tolist()))
+    sup = max(vals["supervised"], 1.0)
+    metrics = {
+        "loss": vals["loss"],
+        "vocab_loss": vals["nll"] / float(den),
+        "acc": vals["correct"] / sup,
+        "supervised": vals["supervised"],
+        "denominator": float(den),
+    }
+    if selector is not None:
+        metrics["selector_coverage"] = vals["covered"] / sup
+        metrics["selector_loss"] = vals["selector_ce"] / max(vals["selector_weight"], 1e-30)
+    return StepResult(vals["loss"], metrics, [p for _, p, _ in work])
