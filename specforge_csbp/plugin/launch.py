@@ -1,0 +1,203 @@
+"""`train`: SpecForge's own launch pipeline with the plugin's registry and this package as the worker.
+
+    specforge train --csbp -c run.yaml [overrides]        (or: specforge-csbp train --csbp -c run.yaml ...)
+      prepare_run            SpecForge Config + csbp section + flags     -> one-line errors, nothing started
+      preflight              store manifest vs drafter config            -> one-line errors, nothing started
+      resolve_run(cfg, registry=builtin + plugin)                           (SpecForge's composition root)
+      build_launch_plan(..., worker_prefix=[python -m specforge_csbp], torchrun_prefix=[torchrun --no-python])
+        1 rank:   runs the worker below in this process
+        W ranks:  python -m torch.distributed.run --no-python --standalone --nproc_per_node W \\
+                      python -m specforge_csbp train --config run.yaml --role all <forwarded overrides>
+      worker: init_distributed (SpecForge's groups) -> CSBP groups -> build_application_run(...).run()
+
+The forwarded overrides carry what the flags decided (`training.strategy=dflash2-csbp`, `csbp.cp_size=N`),
+so every worker re-derives the same run from the same file without the hook.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .options import PreparedRun, prepare_run
+
+__all__ = ["TORCHRUN_PREFIX", "WORKER_PREFIX", "add_train_arguments", "preflight", "run", "train_main"]
+
+WORKER_PREFIX = (sys.executable, "-m", "specforge_csbp")
+TORCHRUN_PREFIX = (sys.executable, "-m", "torch.distributed.run", "--no-python")
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-c", "--config", required=True, help="SpecForge YAML/JSON run config (may hold a csbp: section)"
+    )
+    p.add_argument(
+        "--csbp", action="store_true", help="run training.strategy dflash/dflash2 as dflash-csbp/dflash2-csbp"
+    )
+    p.add_argument(
+        "--cp-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ranks sharing one sample's context (default: all)",
+    )
+    p.add_argument(
+        "--dp-replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="data-parallel replicas (default: world / cp)",
+    )
+    p.add_argument("--role", choices=("auto", "all", "producer", "consumer", "both"), default="auto",
+                   help="SpecForge launch role (CSBP strategies are offline: auto = all)")  # fmt: skip
+    p.add_argument("--node-rank", type=int, default=None, help="node rank of an explicit multi-node launch")
+    p.add_argument(
+        "--plan", action="store_true", help="print the resolved layout and process plan, start nothing"
+    )
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. training.max_steps=10 csbp.mode=cp")
+
+
+def train_main(argv: list[str], *, prog: str = "specforge-csbp train") -> int:
+    p = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_train_arguments(p)
+    return run(p.parse_args(argv), prog=prog)
+
+
+def _draft_config_dict(path: str) -> dict | None:
+    src = path if path.endswith(".json") else os.path.join(path, "config.json")
+    if not os.path.isfile(src):
+        return None
+    with open(src, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def preflight(prepared: PreparedRun) -> None:
+    """Cheap cross-checks in the launching process, so a bad store / config fails before any worker starts."""
+    from ..data.manifest import MANIFEST_NAME, StoreManifest
+    from .data import check_store_path
+
+    cfg = prepared.config
+    path = cfg.data.hidden_states_path
+    check_store_path(path)
+    with open(os.path.join(path, MANIFEST_NAME), encoding="utf-8") as f:
+        manifest = StoreManifest.model_validate_json(f.read())
+    draft = _draft_config_dict(cfg.model.draft_model_config) if cfg.model.draft_model_config else None
+    ids = (draft or {}).get("dflash_config", {}).get("target_layer_ids")
+    if ids is not None and [int(i) for i in ids] != list(manifest.target_layer_ids):
+        raise ValueError(
+            f"data.hidden_states_path: the feature store holds target layers {list(manifest.target_layer_ids)} but "
+            f"model.draft_model_config needs dflash_config.target_layer_ids {[int(i) for i in ids]}"
+        )
+    hidden = (draft or {}).get("hidden_size")
+    if hidden is not None and int(hidden) != manifest.hidden_size:
+        raise ValueError(
+            f"data.hidden_states_path: the feature store holds hidden size {manifest.hidden_size} but "
+            f"model.draft_model_config has hidden_size {hidden}"
+        )
+
+
+def _layout_line(prepared: PreparedRun) -> str:
+    if prepared.is_csbp:
+        how = f"{prepared.options.mode} over cp_size={prepared.cp_size} x dp_replicas={prepared.dp_replicas}"
+    else:
+        how = f"data parallel over {prepared.world_size} rank(s)"
+    return f"specforge-csbp: {prepared.strategy} on {prepared.world_size} rank(s): {how}"
+
+
+def run(args: argparse.Namespace, *, prog: str) -> int:
+    try:
+        prepared = prepare_run(
+            args.config, args.overrides, csbp=args.csbp, cp_size=args.cp_size, dp_replicas=args.dp_replicas
+        )
+        if prepared.strategy not in ("dflash-csbp", "dflash2-csbp", "dflash2"):
+            raise ValueError(
+                f"training.strategy={prepared.strategy!r} is not a specforge-csbp strategy; run it with plain "
+                "`specforge train`, or add --csbp"
+            )
+        preflight(prepared)
+        from specforge.application import resolve_run
+        from specforge.launch_plan import build_launch_plan
+
+        from .registry import plugin_registry
+
+        resolved = resolve_run(prepared.config, registry=plugin_registry(prepared.options))
+        plan = build_launch_plan(
+            resolved.config, algorithm=resolved.algorithm, config_path=args.config,
+            overrides=list(prepared.forward_overrides), requested_role=args.role, node_rank=args.node_rank,
+            worker_prefix=WORKER_PREFIX, torchrun_prefix=TORCHRUN_PREFIX,
+        )  # fmt: skip
+    except ValueError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    if args.plan:
+        print(_layout_line(prepared))
+        print(plan.render())
+        return 0
+    if plan.kind != "worker":
+        print(_layout_line(prepared), flush=True)
+        from specforge.launch_plan import run_commands
+
+        return run_commands(plan)
+    if "LOCAL_RANK" not in os.environ:  # a one-rank run in the launching process (not a torchrun worker)
+        print(_layout_line(prepared), flush=True)
+    return _run_worker(resolved, plan, prepared, prog)
+
+
+def _run_worker(resolved, plan, prepared: PreparedRun, prog: str) -> int:
+    from specforge.application import bind_run
+    from specforge.cli import _config_for_role, _worker_signal_unwind, _WorkerTermination
+
+    for key, value in plan.worker_env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    try:
+        role_config = _config_for_role(resolved.config, plan.role)
+        with _worker_signal_unwind():
+            _train(bind_run(role_config, resolved.algorithm), prepared)
+    except _WorkerTermination as received:
+        return 128 + received.signum
+    except ValueError as err:  # configuration problems found while assembling: one line, no traceback
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _train(resolved, prepared: PreparedRun) -> int:
+    """SpecForge's worker lifecycle (specforge.cli._train) plus the CSBP groups."""
+    from accelerate.utils import set_seed
+    from specforge.application import build_application_run
+    from specforge.cli import _bootstrap_single_process_env
+    from specforge.distributed import destroy_distributed, init_distributed
+
+    from . import groups
+
+    cfg = resolved.config
+    os.environ["FSDP_SHARDING"] = cfg.training.fsdp_sharding
+    set_seed(cfg.training.seed)
+    _bootstrap_single_process_env()
+    cfg.validate_world_size(int(os.environ["WORLD_SIZE"]))
+    init_distributed(
+        timeout=cfg.training.dist_timeout, tp_size=cfg.training.tp_size,
+        sp_ulysses_size=cfg.training.sp_ulysses_size, sp_ring_size=cfg.training.sp_ring_size,
+    )  # fmt: skip
+    try:
+        import torch.distributed as dist
+
+        groups.init_groups(prepared.cp_size)
+        if dist.get_rank() != 0 and not os.environ.get("SPECFORGE_CSBP_LOG_ALL_RANKS"):
+            # SpecForge prints each step's line on every rank; keep rank 0's (stderr stays on everywhere)
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+        step = build_application_run(resolved).run()
+        if dist.get_rank() == 0:
+            latest = os.path.join(cfg.output_dir, f"{cfg.run_id}-latest")
+            print(f"specforge-csbp: trained {step} step(s); checkpoint {latest}", flush=True)
+        return step
+    finally:
+        groups.destroy()
+        destroy_distributed()

@@ -1,0 +1,229 @@
+"""A CSBP run's configuration: SpecForge's validated `Config` plus the plugin's own `csbp:` section.
+
+    run.yaml                                     command line
+    ---------------------------------------      ---------------------------------------------------
+    model: ..., data: ..., training: ...    <-   section.field=value overrides (SpecForge's, unchanged)
+      training.strategy: dflash2-csbp       <-   --csbp  (dflash -> dflash-csbp, dflash2 -> dflash2-csbp)
+    csbp:             # read by the plugin only
+      cp_size: 2                            <-   --cp-size 2      or  csbp.cp_size=2
+      dp_replicas: 1                        <-   --dp-replicas 1  or  csbp.dp_replicas=1
+      mode: csbp      # csbp | cp (the conventional context-parallel baseline)
+
+SpecForge's schema forbids unknown fields, so the `csbp:` section is taken out of the file before SpecForge
+validates the rest, and `csbp.*` overrides are applied here. World size = deployment.trainer.nnodes x
+nproc_per_node = cp_size x dp_replicas. Errors are one line and name the flag or field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+__all__ = [
+    "CSBP_OF",
+    "CSBP_STRATEGIES",
+    "PLUGIN_STRATEGIES",
+    "CSBPOptions",
+    "PreparedRun",
+    "one_line",
+    "prepare_run",
+]
+
+#: `--csbp` maps a DFlash-family strategy to its CSBP variant
+CSBP_OF = {"dflash": "dflash-csbp", "dflash2": "dflash2-csbp", "dflash-csbp": "dflash-csbp",
+           "dflash2-csbp": "dflash2-csbp"}  # fmt: skip
+CSBP_STRATEGIES = ("dflash-csbp", "dflash2-csbp")
+#: everything the plugin registers: the CSBP variants plus plain data-parallel DFlash2 (the reference)
+PLUGIN_STRATEGIES = ("dflash-csbp", "dflash2-csbp", "dflash2")
+_DFLASH_FAMILY_NOT_IN_CSBP = ("domino", "dspark")
+
+
+class CSBPOptions(BaseModel):
+    """The `csbp:` section of a run config."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cp_size: int | None = Field(default=None, ge=1, description="ranks sharing one sample's context")
+    dp_replicas: int | None = Field(default=None, ge=1, description="data-parallel copies of the CP group")
+    mode: Literal["csbp", "cp"] = Field(
+        default="csbp",
+        description="csbp, or cp: conventional context parallelism (every anchor on every rank)",
+    )
+    # drafter objective knobs SpecForge's schema has no field for (the rest map from `training.*`)
+    anchor_sampling: Literal["uniform", "locality"] = "uniform"
+    selector_alpha: float = Field(default=1.0, ge=0.0, description="DFlash2 selector CE weight")
+    selector_warmup_steps: int = Field(
+        default=0, ge=0, description="steps over which the selector weight ramps"
+    )
+    bucket: int = Field(default=1, ge=1, description="pad planned row counts to a multiple (static shapes)")
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    """Everything a launcher or a worker needs; `forward_overrides` re-create it in a worker."""
+
+    config: Any  # specforge.config.Config
+    options: CSBPOptions
+    world_size: int
+    cp_size: int
+    dp_replicas: int
+    forward_overrides: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def strategy(self) -> str:
+        return self.config.training.strategy
+
+    @property
+    def is_csbp(self) -> bool:
+        return self.strategy in CSBP_STRATEGIES
+
+
+def one_line(err: ValidationError, prefix: str = "") -> str:
+    """The first pydantic error as `section.field: message`."""
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "config"
+    return f"{prefix}{where}: {first['msg']}"
+
+
+def _read_raw(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            if path.endswith((".yaml", ".yml")):
+                import yaml
+
+                raw = yaml.safe_load(f)
+            else:
+                raw = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"--config: {path} does not exist") from None
+    except Exception as err:  # noqa: BLE001 - yaml / json syntax
+        raise ValueError(f"--config: cannot parse {path}: {str(err).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"--config: {path} must hold a mapping with model/data/training sections")  # noqa: TRY004
+    return raw
+
+
+def _apply_csbp_override(section: dict, item: str) -> None:
+    key, value = item.split("=", 1)
+    name = key[len("csbp.") :]
+    if name not in CSBPOptions.model_fields:
+        raise ValueError(
+            f"override {key!r}: unknown field; the csbp section has {', '.join(CSBPOptions.model_fields)}"
+        )
+    section[name] = None if value.strip().lower() in ("null", "none", "") else value
+
+
+def _translate_strategy(strategy: str) -> str:
+    if strategy in CSBP_OF:
+        return CSBP_OF[strategy]
+    if strategy in _DFLASH_FAMILY_NOT_IN_CSBP:
+        raise ValueError(
+            f"--csbp: training.strategy={strategy!r} is a DFlash-family algorithm that CSBP does not implement; "
+            f"--csbp runs dflash and dflash2 configs"
+        )
+    raise ValueError(
+        f"--csbp: training.strategy={strategy!r} is not a DFlash-family algorithm; "
+        f"--csbp runs dflash and dflash2 configs (or set training.strategy to dflash-csbp / dflash2-csbp)"
+    )
+
+
+def prepare_run(
+    config_path: str,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    csbp: bool = False,
+    cp_size: int | None = None,
+    dp_replicas: int | None = None,
+) -> PreparedRun:
+    """Validate a run config + overrides + plugin flags into a `PreparedRun` (ValueError: one line)."""
+    from specforge.config.schema import Config, apply_overrides, migrate_legacy_config
+
+    raw = _read_raw(config_path)
+    section = raw.pop("csbp", None) or {}
+    if not isinstance(section, dict):
+        raise ValueError(f"csbp: must be a mapping with fields {', '.join(CSBPOptions.model_fields)}")  # noqa: TRY004
+    section = dict(section)
+    spec_overrides, csbp_overrides = [], []
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} is not of the form section.field=value")
+        (csbp_overrides if item.startswith("csbp.") else spec_overrides).append(item)
+    for item in csbp_overrides:
+        _apply_csbp_override(section, item)
+    if cp_size is not None:
+        section["cp_size"] = cp_size
+    if dp_replicas is not None:
+        section["dp_replicas"] = dp_replicas
+    try:
+        options = CSBPOptions.model_validate(section)
+    except ValidationError as err:
+        raise ValueError(one_line(err, "csbp.")) from None
+
+    try:
+        cfg = Config.model_validate(migrate_legacy_config(raw))
+        if spec_overrides:
+            cfg = apply_overrides(cfg, spec_overrides)
+    except ValidationError as err:
+        raise ValueError(one_line(err)) from None
+
+    forward = list(spec_overrides)
+    if csbp:
+        strategy = _translate_strategy(cfg.training.strategy)
+        if strategy != cfg.training.strategy:
+            cfg = apply_overrides(cfg, [f"training.strategy={strategy}"])
+            forward.append(f"training.strategy={strategy}")
+    strategy = cfg.training.strategy
+    is_csbp = strategy in CSBP_STRATEGIES
+    flag_names = {"cp_size": "--cp-size", "dp_replicas": "--dp-replicas"}
+    if not is_csbp:
+        for name, flag in flag_names.items():
+            if getattr(options, name) is not None:
+                raise ValueError(
+                    f"{flag}: training.strategy={strategy!r} is not a CSBP strategy; add --csbp or set "
+                    f"training.strategy to one of {', '.join(CSBP_STRATEGIES)}"
+                )
+        if options.mode != "csbp":
+            raise ValueError(
+                f"csbp.mode={options.mode}: training.strategy={strategy!r} is not a CSBP strategy; add --csbp"
+            )
+    if strategy in PLUGIN_STRATEGIES and cfg.data.eval_hidden_states_path:
+        raise ValueError(
+            f"data.eval_hidden_states_path: {strategy} does not evaluate during training yet; leave it empty "
+            "(and training.eval_interval 0)"
+        )
+    if strategy in PLUGIN_STRATEGIES and cfg.training.fsdp_sharding != "NO_SHARD":
+        raise ValueError(
+            f"training.fsdp_sharding={cfg.training.fsdp_sharding!r}: {strategy} replicates the drafter "
+            "(CSBP shards the context, not the weights); set training.fsdp_sharding: NO_SHARD"
+        )
+
+    forward.extend(i for i in csbp_overrides if not i.startswith(("csbp.cp_size=", "csbp.dp_replicas=")))
+    topo = cfg.deployment.trainer
+    world = topo.nnodes * topo.nproc_per_node
+    where = (
+        f"deployment.trainer.nnodes={topo.nnodes} x deployment.trainer.nproc_per_node={topo.nproc_per_node}"
+    )
+    if is_csbp:
+        cp = options.cp_size or (world // options.dp_replicas if options.dp_replicas else world)
+        if options.dp_replicas and world % options.dp_replicas:
+            raise ValueError(
+                f"--dp-replicas {options.dp_replicas} does not divide the world size {world} ({where})"
+            )
+        if world % cp:
+            raise ValueError(f"--cp-size {cp} does not divide the world size {world} ({where})")
+        dp = world // cp
+        if options.dp_replicas is not None and options.dp_replicas != dp:
+            raise ValueError(
+                f"--dp-replicas {options.dp_replicas} x --cp-size {cp} = {options.dp_replicas * cp} "
+                f"!= the world size {world} ({where})"
+            )
+        forward.append(f"csbp.cp_size={cp}")
+    else:
+        cp, dp = 1, world
+    return PreparedRun(
+        config=cfg, options=options, world_size=world, cp_size=cp, dp_replicas=dp,
+        forward_overrides=tuple(forward),
+    )  # fmt: skip
