@@ -227,7 +227,7 @@ def run(args) -> list[BenchRecord]:
                 continue
             base = dict(workload="attention", mode=mode, world_size=1 if mode == "reference" else world,
                         context_len=seq_len, block_size=args.block_size, device=device_desc, date=today,
-                        command=command, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                        command=command, launch=command, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                         dtype=str(dtype).removeprefix("torch."), check_rel_err=checks.get(mode))  # fmt: skip
             try:
                 if device.type == "cuda":

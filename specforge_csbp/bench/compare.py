@@ -1,8 +1,9 @@
 """Side-by-side comparisons computed from records: which records were measured together, and CSBP's speedup.
 
 Two records are "side by side" when they agree on every field of `match_key` (workload, context, world
-size, block size, date, device and the configuration extras in `CONFIG_EXTRAS` that they carry), i.e. they
-were measured in one session on one machine for one problem and differ only in the parallel mode:
+size, block size, date, device, the `launch` a benchmark script records, and the configuration extras in
+`CONFIG_EXTRAS` that they carry), i.e. they were measured in one run on one machine for one problem and
+differ only in the parallel mode:
 
     group (drafter, L=512K, P=2, S=16, 2025-11-29, H200)
         csbp   tokens/s 41,000  ─┐
@@ -67,7 +68,9 @@ def match_key(r: BenchRecord) -> tuple:
     """Everything that must agree for two records to be compared (all but the mode and measurements)."""
     extra = r.model_extra or {}
     config = tuple((name, _hashable(extra[name])) for name in CONFIG_EXTRAS if name in extra)
-    return (r.workload, r.context_len, r.world_size, r.block_size, r.date, r.device, config)
+    # A record naming its launch (one torchrun of a benchmark script) pairs only within that launch.
+    launch = extra.get("launch")
+    return (r.workload, r.context_len, r.world_size, r.block_size, r.date, r.device, launch, config)
 
 
 def throughput(r: BenchRecord) -> float | None:

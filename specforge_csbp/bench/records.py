@@ -43,7 +43,8 @@ def load_records(paths: list[str | os.PathLike] | str | os.PathLike) -> list[Ben
         paths = [paths]
     files: list[Path] = []
     for p in map(Path, paths):
-        files.extend(sorted(p.glob("**/*.json*")) if p.is_dir() else [p])
+        # only record files: a leftover *.jsonl.tmp or a log beside them is not a record
+        files.extend(sorted(f for f in p.glob("**/*") if f.suffix in (".json", ".jsonl")) if p.is_dir() else [p])
     records = []
     for f in files:
         text = f.read_text()

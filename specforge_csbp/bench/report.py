@@ -154,7 +154,7 @@ def _workload_section(
         lines += [
             "### CSBP speedup, measured side by side",
             "",
-            "Computed from the records above: same workload, context, world size, block size, date and device "
+            "Computed from the records above: same workload, context, world size, block size, date, device and launch "
             "(tokens/s of CSBP over tokens/s of the other mode; the fastest ok record when a mode was repeated; "
             "`<mode> oom` where the other mode did not fit).",
             "",

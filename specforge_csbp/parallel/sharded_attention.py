@@ -30,6 +30,8 @@ class ShardedAttention:
         block_size: int,
         *,
         clean_within_block: str = "causal",
+        window: int | None = None,
+        noisy_causal: bool = False,
         group: dist.ProcessGroup | None = None,
         backend: str = "auto",
         communicate: bool = True,
@@ -40,12 +42,9 @@ class ShardedAttention:
             if group_size != plan.world_size:
                 raise ValueError(f"world_size: plan has {plan.world_size} ranks, process group has {group_size}")
         self.plan, self.group, self.backend = plan, group, backend
-        self.local = Visibility(plan.q_tokens, plan.kv_tokens, block_size, clean_within_block)
-        self.remote = (
-            Visibility(plan.q_tokens, plan.remote_kv_tokens, block_size, clean_within_block)
-            if plan.communicates
-            else None
-        )
+        rule = dict(clean_within_block=clean_within_block, window=window, noisy_causal=noisy_causal)
+        self.local = Visibility(plan.q_tokens, plan.kv_tokens, block_size, **rule)
+        self.remote = Visibility(plan.q_tokens, plan.remote_kv_tokens, block_size, **rule) if plan.communicates else None
         self._gather = KVGather(group, stats=stats, communicate=communicate) if self.remote else None
 
     def __call__(

@@ -157,6 +157,8 @@ class DFlashPreTrainedModel(PreTrainedModel):
         elif isinstance(module, CandidateSelector):
             init.normal_(module.predecessor_codebook, mean=0.0, std=std)
             init.zeros_(module.successor_codebook)
+        else:  # buffers such as rotary_emb.inv_freq are (re)computed by transformers' own init
+            super()._init_weights(module)
 
 
 class DFlashDraftModel(DFlashPreTrainedModel):

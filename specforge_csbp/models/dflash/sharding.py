@@ -39,7 +39,6 @@ from ...attention import merge_partials
 from ...distributed.collectives import COMM_STATS, CommStats
 from ...layout import CLEAN, NOISY, ShardPlan, TokenSet, ZigzagShards, assign_dual_end
 from ...layout.plans import build_plans
-from ...masks.visibility import Visibility
 from ...parallel.sharded_attention import ShardedAttention
 from .configuration import DFlashConfig
 from .modeling import LayerAttention
@@ -49,7 +48,6 @@ __all__ = [
     "DrafterPlan",
     "LayerPlan",
     "MergedAttention",
-    "RuleAttention",
     "anchor_costs",
     "drafter_plans",
     "plan_attention",
@@ -255,18 +253,6 @@ def drafter_plans(
     return plans
 
 
-class RuleAttention(ShardedAttention):
-    """ShardedAttention whose visibility adds the sliding window / in-block causality of a layer type."""
-
-    def __init__(self, plan: ShardPlan, block_size: int, *, window: int | None, noisy_causal: bool, **kwargs):
-        super().__init__(plan, block_size, **kwargs)
-        if window is not None or noisy_causal:
-            rule = {"window": window, "noisy_causal": noisy_causal}
-            self.local = Visibility(plan.q_tokens, plan.kv_tokens, block_size, **rule)
-            if self.remote is not None:
-                self.remote = Visibility(plan.q_tokens, plan.remote_kv_tokens, block_size, **rule)
-
-
 class _GatherPartials(torch.autograd.Function):
     """All-gather of a partial result (out [B, H, N, D] in its dtype, lse [B, H, N] in fp32/fp64); backward =
     reduce-scatter of the gradients (every rank's replica of the merged output fed its own copy of the loss).
@@ -329,7 +315,7 @@ def plan_attention(
     """The model's `attention` argument for this rank's plan (one executor per layer type)."""
     out = {}
     for kind, lp in plan.layers.items():
-        attn = RuleAttention(
+        attn = ShardedAttention(
             lp.shard, plan.block_size, window=lp.window, noisy_causal=lp.noisy_causal,
             group=group if plan.world_size > 1 else None, backend=backend, communicate=communicate, stats=stats,
         )  # fmt: skip
@@ -358,6 +344,6 @@ def reference_attention(
         window = config.sliding_window if kind == "sliding_attention" else None
         causal = config.sliding_layers_causal if window is not None else False
         out[kind] = LayerAttention(
-            RuleAttention(shard, S, window=window, noisy_causal=causal, backend=backend)
+            ShardedAttention(shard, S, window=window, noisy_causal=causal, backend=backend)
         )
     return out
