@@ -49,6 +49,9 @@ def parse_args(argv=None):
     p.add_argument("--check-context", type=int, default=4096, help="correctness check size (0: skip)")
     p.add_argument("--out", default="benchmarks/results/attention.jsonl")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run (gloo, dense backend)")
+    p.add_argument("--schedule", choices=["overlap", "fused"], default="overlap",
+                   help="our modes: overlap the gather with local attention + LSE merge, or one fused call")
+    p.add_argument("--profile", action="store_true", help="print the top kernels of one extra step per point")
     return p.parse_args(argv)
 
 
@@ -88,6 +91,7 @@ class TorchCP:
     def __init__(self, seq_len, block_size, device):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import parallelize_module
+
         from specforge_csbp.attention.flex import block_mask_for
 
         shard, ContextParallel, HeadTail = _torch_cp_api()
@@ -139,6 +143,21 @@ def _time_steps(fn, q, k, v, grad, warmup, iters, device, barrier=True):
     return statistics.median(times)
 
 
+def _profile_step(fn, q, k, v, grad, title: str) -> None:
+    """Top kernels of one forward + backward, printed by rank 0."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if q.is_cuda else [])
+    with profile(activities=activities) as prof:
+        out, _ = fn(q, k, v)
+        out.backward(grad)
+        _sync(q.device)
+    if dist.get_rank() != 0:
+        return
+    sort = "cuda_time_total" if q.is_cuda else "cpu_time_total"
+    print(f"--- profile {title}\n" + prof.key_averages().table(sort_by=sort, row_limit=12), flush=True)
+
+
 def _max_over_ranks(value: float, device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -168,7 +187,8 @@ def _build(mode, seq_len, args, device, communicate=True):
         plan = bdlm_plan("reference", seq_len, args.block_size, 1)[0]
         return ShardedAttention(plan, args.block_size, backend=backend), plan.q_rows, plan.kv_rows
     plan = bdlm_plan(mode, seq_len, args.block_size, dist.get_world_size())[dist.get_rank()]
-    attn = ShardedAttention(plan, args.block_size, backend=backend, communicate=communicate, stats=CommStats())
+    attn = ShardedAttention(plan, args.block_size, backend=backend, communicate=communicate, stats=CommStats(),
+                            schedule=args.schedule)  # fmt: skip
     return attn, plan.q_rows, plan.kv_rows
 
 
@@ -227,7 +247,7 @@ def run(args) -> list[BenchRecord]:
                 continue
             base = dict(workload="attention", mode=mode, world_size=1 if mode == "reference" else world,
                         context_len=seq_len, block_size=args.block_size, device=device_desc, date=today,
-                        command=command, launch=command, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                        command=command, launch=command, schedule=args.schedule, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                         dtype=str(dtype).removeprefix("torch."), check_rel_err=checks.get(mode))  # fmt: skip
             try:
                 if device.type == "cuda":
@@ -239,6 +259,8 @@ def run(args) -> list[BenchRecord]:
                     fn, rq, rkv = built
                     q, k, v, g = _local_inputs(rq, rkv, args, device, dtype)
                     step_ms = _time_steps(fn, q, k, v, g, args.warmup, args.iters, device, barrier=mode != "reference")
+                    if args.profile:  # every rank that holds the mode runs the step (collectives)
+                        _profile_step(fn, q, k, v, g, f"{mode} L={seq_len}")
                     if mode in ("cp", "csbp") and world > 1:
                         quiet, _, _ = _build(mode, seq_len, args, device, communicate=False)
                         no_comm_ms = _time_steps(quiet, q, k, v, g, 1, args.iters, device)

@@ -19,6 +19,7 @@ from ..distributed.launch import init_from_env, spawn
 from ..layout.plans import MODES
 from ..masks.visibility import CLEAN_RULES
 from ..parallel.check import DTYPES, CheckCase, CheckResult, run_check
+from ..parallel.sharded_attention import SCHEDULES
 
 __all__ = ["register", "run"]
 
@@ -36,6 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=list(DTYPES), default="float64")
     p.add_argument("--clean-within-block", choices=CLEAN_RULES, default="causal")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--schedule", choices=SCHEDULES, default="overlap", help="overlap the gather, or one fused call")
     p.set_defaults(func=run)
 
 
@@ -43,7 +45,7 @@ def _case(args: argparse.Namespace) -> CheckCase:
     return CheckCase(
         mode=args.mode, seq_len=args.seq_len, block_size=args.block_size, heads=args.heads,
         kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype,
-        clean_within_block=args.clean_within_block, batch=args.batch, seed=args.seed,
+        clean_within_block=args.clean_within_block, batch=args.batch, seed=args.seed, schedule=args.schedule,
     )  # fmt: skip
 
 

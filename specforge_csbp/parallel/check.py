@@ -36,6 +36,7 @@ class CheckCase:
     clean_within_block: str = "causal"
     batch: int = 1
     seed: int = 0
+    schedule: str = "overlap"
 
     def validate(self, world_size: int) -> None:
         check_bdlm_shape(self.mode, self.seq_len, self.block_size, world_size)
@@ -88,7 +89,10 @@ def _run_rank(case: CheckCase, plan, group, device, stats: CommStats):
         t[:, :, rows].to(device=device, dtype=dt).requires_grad_()
         for t, rows in ((q, rows_q), (k, rows_kv), (v, rows_kv))
     )
-    attn = ShardedAttention(plan, case.block_size, clean_within_block=case.clean_within_block, group=group, stats=stats)
+    attn = ShardedAttention(
+        plan, case.block_size, clean_within_block=case.clean_within_block, group=group, stats=stats,
+        schedule=case.schedule,
+    )  # fmt: skip
     out, lse = attn(lq, lk, lv)
     primary = plan.q_primary.to(device)
     w_out = g_out[:, :, rows_q].to(device) * primary[None, None, :, None]

@@ -1,7 +1,13 @@
 """Run one rank's `ShardPlan` through the seam: local keys now, shared keys after the all-gather.
 
+schedule "overlap" (default):
+
     q_local ──► seam(q, local K/V)  ──────────────┐   (overlaps the all-gather)
     shared K/V rows ──► all-gather (async) ──► seam(q, gathered K/V, own segment hidden) ──► LSE merge
+
+schedule "fused": wait for the all-gather, then one seam call over [local K/V ++ gathered K/V] (own
+segment hidden): no overlap, but one kernel and no merge - the shape PyTorch's own context parallel uses,
+kept so the two schedules can be measured side by side (benchmarks/attention_bench.py --schedule).
 
 The local call sees every key this rank holds; the remote call sees the other ranks' shared keys (this
 rank's own segment of the gathered buffer is PAD in the plan, so nothing is counted twice). Reference,
@@ -16,9 +22,12 @@ import torch.distributed as dist
 from ..attention import merge_partials, partial_attention
 from ..distributed.collectives import COMM_STATS, CommStats, KVGather
 from ..layout.plans import ShardPlan, bdlm_plan
+from ..layout.tokens import TokenSet
 from ..masks.visibility import Visibility
 
-__all__ = ["ShardedAttention", "bdlm_attention"]
+__all__ = ["SCHEDULES", "ShardedAttention", "bdlm_attention"]
+
+SCHEDULES = ("overlap", "fused")
 
 
 class ShardedAttention:
@@ -36,22 +45,31 @@ class ShardedAttention:
         backend: str = "auto",
         communicate: bool = True,
         stats: CommStats = COMM_STATS,
+        schedule: str = "overlap",
     ):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
         if plan.world_size > 1:
             group_size = dist.get_world_size(group)
             if group_size != plan.world_size:
                 raise ValueError(f"world_size: plan has {plan.world_size} ranks, process group has {group_size}")
-        self.plan, self.group, self.backend = plan, group, backend
+        self.plan, self.group, self.backend, self.schedule = plan, group, backend, schedule
         rule = dict(clean_within_block=clean_within_block, window=window, noisy_causal=noisy_causal)
         self.local = Visibility(plan.q_tokens, plan.kv_tokens, block_size, **rule)
         self.remote = Visibility(plan.q_tokens, plan.remote_kv_tokens, block_size, **rule) if plan.communicates else None
         self._gather = KVGather(group, stats=stats, communicate=communicate) if self.remote else None
+        if self.remote is not None and schedule == "fused":
+            self.fused = Visibility(plan.q_tokens, TokenSet.cat([plan.kv_tokens, plan.remote_kv_tokens]), block_size, **rule)
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self._gather is not None:
             self._gather.start(k, v, self.plan.shared, self.plan.gather_len)
+            if self.schedule == "fused":
+                k_all, v_all = self._gather.wait()
+                k_cat, v_cat = torch.cat([k, k_all], dim=2), torch.cat([v, v_all], dim=2)
+                return partial_attention(q, k_cat, v_cat, self.fused, scale=scale, backend=self.backend)
         out, lse = partial_attention(q, k, v, self.local, scale=scale, backend=self.backend)
         if self._gather is None:
             return out, lse
@@ -69,6 +87,7 @@ def bdlm_attention(
     clean_within_block: str = "causal",
     backend: str = "auto",
     communicate: bool = True,
+    schedule: str = "overlap",
 ) -> ShardedAttention:
     """This rank's attention for a BDLM sequence (`plan.q_rows` says which 2L rows it holds)."""
     world = dist.get_world_size(group) if mode != "reference" and dist.is_initialized() else 1
@@ -76,5 +95,5 @@ def bdlm_attention(
     plan = bdlm_plan(mode, seq_len, block_size, world)[rank]
     return ShardedAttention(
         plan, block_size, clean_within_block=clean_within_block, group=group, backend=backend,
-        communicate=communicate,
+        communicate=communicate, schedule=schedule,
     )  # fmt: skip

@@ -8,7 +8,8 @@ Anything trainable plugs in through the small `Workload` protocol (workload.py);
     workload.py    the Workload protocol
     step.py        global denominator, micro-batch backward, summed gradients, clipping, AdamW step
     schedule.py    warmup + cosine
-    checkpoint.py  atomic checkpoints with a `latest` pointer
+    checkpoint.py  atomic checkpoints (temporary name, manifest, rename) with a `latest` pointer
+    validate.py    what the trainer refuses before writing (output_dir, resume) and the non-finite scan
     metrics.py     tokens/s, MFU, peak memory
     trainer.py     the loop (tqdm, one log line per step) and the torchrun / gloo launcher
 """
@@ -20,12 +21,13 @@ _EXPORTS = {
     "ParallelConfig": "config", "Section": "config", "TrainConfig": "config", "apply_overrides": "config",
     "load_recipe": "config", "TrainContext": "context", "build_context": "context", "StepResult": "step",
     "reduce_gradients": "step", "train_step": "step", "launch": "trainer", "train": "trainer",
-    "under_torchrun": "trainer", "MicroBatch": "workload", "Workload": "workload",
+    "under_torchrun": "trainer", "MicroBatch": "workload", "Workload": "workload", "NonFiniteError": "step",
+    "StepOutOfMemory": "step", "seed_step": "trainer",
 }  # fmt: skip
 __all__ = [  # noqa: RUF022 - grouped like _EXPORTS
-    "MicroBatch", "ParallelConfig", "Section", "StepResult", "TrainConfig", "TrainContext", "Workload",
-    "apply_overrides", "build_context", "launch", "load_recipe", "reduce_gradients", "train", "train_step",
-    "under_torchrun",
+    "MicroBatch", "NonFiniteError", "ParallelConfig", "Section", "StepOutOfMemory", "StepResult", "TrainConfig",
+    "TrainContext", "Workload", "apply_overrides", "build_context", "launch", "load_recipe", "reduce_gradients",
+    "seed_step", "train", "train_step", "under_torchrun",
 ]  # fmt: skip
 
 

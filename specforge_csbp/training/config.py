@@ -42,6 +42,11 @@ class ParallelConfig(Section):
     dp_degree: int | None = Field(None, ge=1)
     world_size: int = Field(1, ge=1, description="ranks to self-spawn (gloo, CPU); ignored under torchrun")
     attention_backend: Literal["auto", "dense", "flex"] = "auto"
+    timeout_s: float = Field(
+        1800.0, gt=0,
+        description="fail fast: a rank blocked this long in a collective that another rank does not join "
+        "stops every rank, naming the hung one (also the process-group timeout under torchrun)",
+    )  # fmt: skip
 
     @model_validator(mode="after")
     def _reference_is_one_rank(self) -> ParallelConfig:
@@ -84,6 +89,14 @@ class TrainConfig(Section):
     log_every: int = Field(1, ge=1)
     progress: bool = True
     peak_tflops: float | None = Field(None, gt=0, description="per-device peak for MFU (default: known GPUs)")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainConfig:
+        if self.warmup_steps > self.steps:
+            raise ValueError(f"train.warmup_steps ({self.warmup_steps}) must be <= train.steps ({self.steps})")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"train.betas must both be in [0, 1); got {list(self.betas)}")
+        return self
 
 
 def _parse_value(text: str) -> Any:

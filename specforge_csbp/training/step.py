@@ -1,4 +1,13 @@
-"""One optimizer step: global denominator, micro-batch backward, summed gradients, clipping, AdamW."""
+"""One optimizer step: global denominator, micro-batch backward, summed gradients, clipping, AdamW.
+
+    denominator all-reduce -> per micro batch: forward, backward (loss checked finite)
+    -> local gradients checked finite -> ranks agree (OOM? non-finite?) -> gradient all-reduce -> clip
+    (global norm checked finite) -> AdamW
+
+A failure is raised on every rank of the group before the optimizer step, so weights, optimizer state,
+schedule and checkpoints stay those of the last good step; the message names the first offending rank
+and tensor (`NonFiniteError`, `StepOutOfMemory`).
+"""
 
 from __future__ import annotations
 
@@ -10,10 +19,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..distributed.launch import heartbeat
 from .context import TrainContext
+from .validate import first_nonfinite
 from .workload import Workload
 
-__all__ = ["StepOutOfMemory", "StepResult", "global_denominator", "reduce_gradients", "train_step"]
+__all__ = [
+    "NonFiniteError", "StepOutOfMemory", "StepResult", "global_denominator", "reduce_gradients", "train_step",
+]  # fmt: skip
 
 _BUCKET_BYTES = 256 << 20
 
@@ -71,15 +84,37 @@ class StepOutOfMemory(RuntimeError):
     """Some rank ran out of device memory in forward/backward; raised on every rank of the group."""
 
 
+class NonFiniteError(RuntimeError):
+    """A NaN/Inf loss or gradient on some rank; raised on every rank of the group, before the optimizer step."""
+
+
 _OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
-def _any_rank(flag: bool, group) -> bool:
-    if not dist.is_initialized():
-        return flag
-    t = torch.tensor([float(flag)], device=_collective_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item())
+def _any_rank(flags: list[bool], group) -> list[bool]:
+    """Element-wise OR of `flags` over the group (one all-reduce)."""
+    t = torch.tensor([float(f) for f in flags])
+    if dist.is_initialized():
+        t = t.to(_collective_device(group))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [bool(v) for v in t.cpu().tolist()]
+
+
+def _first_offender(step: int, local: str | None, group) -> str:
+    """'step N: non-finite ... on rank r: <tensor>' from every rank's local finding (the lowest rank wins)."""
+    found: list[str | None] = [local]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        found = [None] * dist.get_world_size(group)
+        dist.all_gather_object(found, local, group=group)
+    ranks = [r for r, f in enumerate(found) if f is not None]
+    if group is not None and dist.is_initialized():  # name ranks as the launcher does (global ranks)
+        ranks = [dist.get_global_rank(group, r) for r in ranks]
+    first = next(f for f in found if f is not None)
+    also = f" (also on ranks {', '.join(map(str, ranks[1:]))})" if len(ranks) > 1 else ""
+    return (
+        f"step {step + 1}: non-finite value on rank {ranks[0]}{also}: first offending tensor {first}; the step "
+        f"was not applied (weights, optimizer state and checkpoints are those of step {step})"
+    )
 
 
 def train_step(
@@ -93,26 +128,41 @@ def train_step(
     group: dist.ProcessGroup | None = None,
     span: Callable[[str], AbstractContextManager] | None = None,
 ) -> StepResult:
-    """One optimizer step over `group` (default: the world). Ranks agree on a device OOM before the
-    gradient reduction, so one rank running out of memory fails the step everywhere instead of hanging.
-    `span(name)` (benchmarks) times the gradient reduction."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    """One optimizer step over `group` (default: the world). Ranks agree on a device OOM and on non-finite
+    losses / gradients before the gradient reduction, so a failure on one rank fails the step everywhere
+    (instead of hanging) and nothing is applied. `span(name)` (benchmarks) times the gradient reduction."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
     batches = workload.microbatches(ctx, step)
+    heartbeat(f"step {step + 1}: loss denominator")
     denom = global_denominator(batches, group)
     scale = denom.clamp_min(1.0)  # a step with nothing supervised contributes zero, not NaN
     total = torch.zeros((), dtype=torch.float64)
-    oom = False
+    oom, bad = False, None
     try:
-        for batch in batches:
+        for i, batch in enumerate(batches):
+            heartbeat(f"step {step + 1}: micro batch {i} forward/backward")
             with ctx.autocast():
                 numerator = workload.loss_numerator(model, batch, ctx)
+            # backward even when non-finite: the other ranks' backward collectives need this rank's part
             (numerator / scale.to(numerator.dtype)).backward()
-            total += numerator.detach().double().cpu()
+            value = numerator.detach().double().cpu()
+            total += value
+            if bad is None and not torch.isfinite(value):
+                bad = f"loss numerator of micro batch {i} ({float(value)})"
     except _OOM:
         oom = True
-    if _any_rank(oom, group):
+    if bad is None and not oom:  # this rank's own gradients, before the sum mixes every rank's in
+        bad = first_nonfinite((f"{n}.grad", p.grad) for n, p in named)
+    heartbeat(f"step {step + 1}: agree on OOM / non-finite")
+    any_oom, any_bad = _any_rank([oom, bad is not None], group)
+    if any_oom:
         optimizer.zero_grad(set_to_none=True)
-        raise StepOutOfMemory(f"step {step}: out of device memory on at least one rank")
+        raise StepOutOfMemory(f"step {step + 1}: out of device memory on at least one rank")
+    if any_bad:
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteError(_first_offender(step, bad, group))
+    heartbeat(f"step {step + 1}: gradient all-reduce")
     with span("grad_reduce") if span is not None else nullcontext():
         reduce_gradients(params, group)
     loss = total.clone()
@@ -120,6 +170,14 @@ def train_step(
         loss = loss.to(_collective_device(group))
         dist.all_reduce(loss, group=group)
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip is not None else float("inf"))
+    if not torch.isfinite(norm):  # finite on every rank, yet the sum overflows
+        where = first_nonfinite((f"{n}.grad", p.grad) for n, p in named) or "the norm itself"
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteError(
+            f"step {step + 1}: the global gradient norm is {float(norm)} after summing over ranks (overflow); "
+            f"first offending tensor {where}; the step was not applied"
+        )
+    heartbeat(f"step {step + 1}: optimizer")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(float(loss.cpu()) / float(scale), float(denom), float(norm))

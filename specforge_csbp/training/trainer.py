@@ -1,17 +1,26 @@
 """The generic training loop and its launcher.
 
-launch(entry, parallel, ...)      torchrun (NCCL, one GPU per rank) or P self-spawned gloo ranks (CPU)
+launch(entry, parallel, ...)      torchrun (NCCL, one GPU per rank), P self-spawned gloo ranks (CPU), or
+                                  in this process for one rank; fail-fast on rank faults (distributed/launch.py)
   train(workload, train, parallel)
-    context (dp x cp mesh) -> seed -> model (broadcast from rank 0) -> [activation checkpointing]
-    AdamW + warmup/cosine -> resume from output_dir/latest
-    per step: train_step -> one log line (loss, lr, grad norm, tokens/s, MFU, peak memory)
-    checkpoints every save_every steps and at the end (atomic)
+    context (dp x cp mesh) -> validate output_dir / resume (nothing is written before) -> seed -> model
+    (broadcast from rank 0) -> [activation checkpointing] -> AdamW + warmup/cosine -> resume from latest
+    per step: reseed RNGs from (seed, step) -> train_step (non-finite guard) -> one log line
+    checkpoints every save_every steps and at the end (atomic; `latest` replaced last)
+
+Exact resume: everything a step consumes is a function of (seed, step) or is in the checkpoint - weights,
+AdamW moments, the scheduler, the step (= the data position, sequence ids are partition-free) - and the
+global torch / Python RNGs are reseeded from (seed, step) before every step, so a run resumed from step k
+repeats the uninterrupted run's steps k+1... bit for bit (same layout) or to float64 rounding (another
+world size, DP degree or CP mode; parameters are replicated, so any layout loads any checkpoint).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import random
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,18 +30,19 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from ..distributed.launch import init_from_env, spawn
-from .checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from ..distributed.launch import free_port, heartbeat, init_from_env, spawn
+from .checkpoint import load_trainer_state, save_checkpoint
 from .context import TrainContext, build_context
 from .metrics import format_step, max_over_ranks, peak_device_tflops, peak_memory_gib, reset_peak_memory
 from .schedule import build_scheduler
 from .step import train_step
+from .validate import check_output_dir, check_resume, run_layout
 from .workload import Workload, load_model, save_model
 
 if TYPE_CHECKING:
     from .config import ParallelConfig, TrainConfig
 
-__all__ = ["launch", "train", "under_torchrun"]
+__all__ = ["launch", "seed_step", "train", "under_torchrun"]
 
 
 def under_torchrun() -> bool:
@@ -40,19 +50,36 @@ def under_torchrun() -> bool:
 
 
 def launch(entry: Callable[..., Any], parallel: ParallelConfig, *args: Any) -> None:
-    """Run entry(rank, world_size, *args) on every rank: join torchrun, or spawn parallel.world_size gloo
-    ranks on this machine. Degrees are checked before any process starts."""
+    """Run entry(rank, world_size, *args) on every rank: join torchrun, spawn parallel.world_size gloo
+    ranks on this machine, or (one rank) run here. Degrees are checked before any process starts; a rank
+    that fails or hangs (parallel.timeout_s) stops all of them (`RankFailure` names it)."""
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         parallel.degrees(world)
-        rank, world = init_from_env()
+        rank, world = init_from_env(timeout_s=parallel.timeout_s)
         try:
             entry(rank, world, *args)
         finally:
             dist.destroy_process_group()
+    elif parallel.world_size == 1 and not dist.is_initialized():
+        parallel.degrees(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        try:
+            entry(0, 1, *args)
+        finally:
+            dist.destroy_process_group()
     else:
         parallel.degrees(parallel.world_size)
-        spawn(entry, parallel.world_size, *args, timeout_s=1800.0)
+        spawn(entry, parallel.world_size, *args, timeout_s=parallel.timeout_s)
+
+
+def seed_step(seed: int, step: int) -> None:
+    """Seed torch (CPU and CUDA) and Python's RNGs from (seed, step): what step `step` draws does not
+    depend on what ran before it in this process (so a resumed run draws what the original drew)."""
+    digest = hashlib.sha256(f"specforge-csbp:{seed}:{step}".encode()).digest()
+    value = int.from_bytes(digest[:8], "little") & (2**63 - 1)
+    torch.manual_seed(value)
+    random.seed(value)
 
 
 def _broadcast_parameters(model: torch.nn.Module) -> None:
@@ -89,20 +116,39 @@ def _build(workload: Workload, ctx: TrainContext, train: TrainConfig):
     return model, optimizer, scheduler
 
 
+def _truncate_log(path: Path, step: int) -> None:
+    """Keep the log lines of steps <= `step` (a killed run may have logged steps its checkpoint lacks)."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    keep = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    if len(keep) != len(lines):
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in keep))
+        os.replace(tmp, path)
+
+
 def train(
     workload: Workload, train: TrainConfig, parallel: ParallelConfig, *, recipe: dict | None = None
 ) -> list[dict]:
     """Train on an initialised process group; returns the per-step metrics (identical on every rank)."""
+    heartbeat("build context")
     ctx = build_context(train, parallel)
+    # Everything that can be refused is refused before the first write to output_dir.
+    resume_from = check_output_dir(train)
+    state = load_trainer_state(resume_from) if resume_from is not None else None
+    if state is not None:
+        check_resume(state, resume_from, ctx, train)
+    heartbeat("build model")
     model, optimizer, scheduler = _build(workload, ctx, train)
     start = 0
-    resume_from = latest_checkpoint(train.output_dir) if train.resume else None
-    if resume_from is not None:
+    if state is not None:
+        heartbeat(f"resume from {resume_from.name}")
         load_model(workload, model, resume_from)
-        state = torch.load(resume_from / "optimizer.pt", map_location=ctx.device)
-        optimizer.load_state_dict(state["optimizer"])  # restores the lr of step `start` too
-        scheduler.load_state_dict(state["scheduler"])
-        start = int(load_trainer_state(resume_from)["step"])
+        saved = torch.load(resume_from / "optimizer.pt", map_location=ctx.device)
+        optimizer.load_state_dict(saved["optimizer"])  # restores the lr of step `start` too
+        scheduler.load_state_dict(saved["scheduler"])
+        start = int(state["step"])
     tokens = workload.tokens_per_step(ctx)
     flops = workload.flops_per_step(ctx)
     peak = peak_device_tflops(ctx.device, train.peak_tflops)
@@ -111,7 +157,9 @@ def train(
     log_file = None
     if ctx.is_main and train.output_dir is not None:
         Path(train.output_dir).mkdir(parents=True, exist_ok=True)
-        log_file = open(Path(train.output_dir) / "log.jsonl", "a")
+        log_path = Path(train.output_dir) / "log.jsonl"
+        _truncate_log(log_path, start)
+        log_file = open(log_path, "a")
     try:
         for step in range(start, train.steps):
             reset_peak_memory(ctx.device)
@@ -119,6 +167,7 @@ def train(
                 torch.cuda.synchronize(ctx.device)
             t0 = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]
+            seed_step(train.seed, step)
             result = train_step(model, optimizer, workload, ctx, step, grad_clip=train.grad_clip)
             scheduler.step()
             if ctx.device.type == "cuda":
@@ -152,6 +201,7 @@ def train(
             if train.output_dir is not None and (
                 last or (train.save_every and (step + 1) % train.save_every == 0)
             ):
+                heartbeat(f"step {step + 1}: checkpoint")
                 if ctx.is_main:
                     save_checkpoint(
                         train.output_dir,
@@ -161,7 +211,7 @@ def train(
                             "optimizer": optimizer.state_dict(),
                             "scheduler": scheduler.state_dict(),
                         },
-                        trainer_state={"step": step + 1, "recipe": recipe or {}},
+                        trainer_state={"step": step + 1, "layout": run_layout(ctx), "recipe": recipe or {}},
                         keep=train.keep_checkpoints,
                     )
                 dist.barrier()
@@ -169,4 +219,5 @@ def train(
         bar.close()
         if log_file is not None:
             log_file.close()
+    heartbeat("done")
     return history
