@@ -35,13 +35,19 @@ GRAD_PARAM = "lm.model.layers.1.mlp.up_proj.weight"
 
 
 class Wrapped:
-    def __init__(self, inner, *, fault: dict | None = None, jitter: bool = False, record_load: str | None = None):
+    def __init__(
+        self, inner, *, fault: dict | None = None, jitter: bool = False, record_load: str | None = None
+    ):
         self.inner, self.fault, self.jitter, self.record_load = inner, fault or {}, jitter, record_load
         self.rank, self.step = 0, -1
 
     def _hit(self, kind: str, step: int | None = None) -> bool:
         f = self.fault
-        return f.get("kind") == kind and f["rank"] == self.rank and f["step"] == (self.step if step is None else step)
+        return (
+            f.get("kind") == kind
+            and f["rank"] == self.rank
+            and f["step"] == (self.step if step is None else step)
+        )
 
     def build_model(self, ctx):
         from specforge_csbp.models.bdlm.tiny import float64_norms

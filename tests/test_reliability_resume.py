@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_reliability_common import log, max_rel, run_recipe, weights
 
 from specforge_csbp.distributed import spawn
 from specforge_csbp.distributed.launch import RankFailure
-from test_reliability_common import log, max_rel, run_recipe, weights
 
 STEPS = 5
 COMMON = [f"train.steps={STEPS}", "parallel.mode=csbp", "parallel.cp_degree=2"]
@@ -45,6 +45,8 @@ def test_killed_runs_resume_on_the_uninterrupted_trajectory(tmp_path):
     assert err.value.rank == 1
     assert (killed / "latest").read_text() == "step_00000002"
     assert [m["step"] for m in log(killed)] == [1, 2]
+    with open(killed / "log.jsonl", "a") as f:  # as if the kill had also cut a log line short
+        f.write('{"step": 3, "loss": 4.1')
 
     with pytest.raises(RankFailure, match="^rank 0 was killed by signal SIGKILL$"):
         spawn(_run, 2, str(saver), {"kind": "kill_save", "rank": 0, "step": 3})

@@ -33,8 +33,9 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,7 @@ __all__ = [
     "RankFailure",
     "RankValueError",
     "free_port",
+    "hang_report",
     "heartbeat",
     "init_from_env",
     "spawn",
@@ -55,7 +57,13 @@ _BOARD_ENV = "SPECFORGE_CSBP_WATCHDOG"  # host:port of the watchdog board (set b
 _KEY = "specforge_csbp/watchdog/{}"
 _GRACE_S = 0.3  # after the first exit, how long to collect the others' (to name the root cause)
 # Messages of errors that are a consequence of another rank's death, not a cause.
-_PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out")
+_PEER_ERRORS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Timed out",
+    "timed out",
+)
 
 
 class RankFailure(RuntimeError):
@@ -68,6 +76,11 @@ class RankFailure(RuntimeError):
 
 class RankValueError(RankFailure, ValueError):
     """A rank raised ValueError (a validation error): the one-line message, prefixed with the rank."""
+
+
+def _backstop(timeout_s: float) -> timedelta:
+    """The process group's own timeout: after the watchdog's (timeout_s + at most two ticks), a backstop."""
+    return timedelta(seconds=timeout_s + max(10.0, 0.1 * timeout_s))
 
 
 def free_port() -> int:
@@ -112,7 +125,7 @@ def hang_report(status: dict[int, dict], world: int, timeout_s: float) -> tuple[
     waiters = sorted(r for r, s in status.items() if s["wait"] >= timeout_s)
     if not waiters:
         return None
-    blocked = {r for r, s in status.items() if s["wait"] > 0 and not s["done"] and not s["stale"]}
+    blocked = {r for r, s in status.items() if s["in_collective"] and not s["done"] and not s["stale"]}
     hung = sorted(set(range(world)) - blocked)
     w = status[waiters[0]]
     head = f"{_names(waiters)} waited {w['wait']:.1f} s in a collective (at {w['label'] or w['where']})"
@@ -136,7 +149,9 @@ def hang_report(status: dict[int, dict], world: int, timeout_s: float) -> tuple[
 class _Watchdog(threading.Thread):
     """Publishes this rank's state to the board and exits the process when the job hangs."""
 
-    def __init__(self, addr: str, rank: int, world: int, timeout_s: float, on_hang: Callable[[list, str], None]):
+    def __init__(
+        self, addr: str, rank: int, world: int, timeout_s: float, on_hang: Callable[[list, str], None]
+    ):
         super().__init__(name="specforge-csbp-watchdog", daemon=True)
         host, port = addr.rsplit(":", 1)
         self.store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
@@ -144,7 +159,7 @@ class _Watchdog(threading.Thread):
         self.tick = max(0.05, min(1.0, timeout_s / 10))
         self.main = threading.main_thread().ident
         self.ready = self.done = False
-        self._stop = threading.Event()
+        self._halt = threading.Event()
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (its tick, when it changed, local clock)
         self._n = 0
         self._blocked: tuple[Any, float] | None = None  # (frame key, since)
@@ -162,8 +177,10 @@ class _Watchdog(threading.Thread):
         else:
             self._blocked, wait = None, 0.0
         self._n += 1
-        state = dict(n=self._n, progress=_progress[0], label=_progress[1], wait=wait, where=where,
-                     ready=self.ready, done=self.done)  # fmt: skip
+        state = {
+            "n": self._n, "progress": _progress[0], "label": _progress[1], "wait": wait, "where": where,
+            "in_collective": waiting and not self.done, "ready": self.ready, "done": self.done,
+        }  # fmt: skip
         self.store.set(_KEY.format(self.rank), json.dumps(state))
 
     def read(self) -> dict[int, dict]:
@@ -182,17 +199,17 @@ class _Watchdog(threading.Thread):
         return out
 
     def run(self) -> None:
-        while not self._stop.wait(self.tick):
+        while not self._halt.wait(self.tick):
             try:
                 self.publish()
                 found = hang_report(self.read(), self.world, self.timeout_s)
-            except Exception:  # the board is gone (parent exiting): nothing to watch any more
+            except Exception:  # noqa: BLE001, S112 - the board is gone (parent exiting): nothing to watch
                 continue
             if found is not None:
                 self.on_hang(*found)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
 
 _watchdog: _Watchdog | None = None
@@ -205,11 +222,10 @@ def _start_watchdog(addr: str, rank: int, world: int, timeout_s: float, on_hang)
 
 
 def _set_watchdog(**flags: bool) -> None:
+    """Set `ready` / `done`; the watchdog thread publishes them on its next tick (it alone uses the board)."""
     if _watchdog is not None:
         for k, v in flags.items():
             setattr(_watchdog, k, v)
-        with contextlib.suppress(Exception):
-            _watchdog.publish()
 
 
 def _exit_hung(err_file: str | None, rank: int):
@@ -249,15 +265,21 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, timeou
         torch.set_num_threads(1)  # P ranks share the machine's cores
         _start_watchdog(board, rank, world_size, timeout_s, _exit_hung(err_file, rank))
         # The watchdog fires at timeout_s; gloo's own timeout is a backstop after it.
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=2 * timeout_s + 10)
-        )
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=_backstop(timeout_s))
         _set_watchdog(ready=True)
         fn(rank, world_size, *args)
         _set_watchdog(done=True)
         dist.destroy_process_group()
+    except SystemExit as err:
+        if err.code in (None, 0):
+            os._exit(0)
+        _write(err_file, kind="exception", rank=rank, type="SystemExit", message=f"exit({err.code!r})",
+               value_error=False, peer=False, traceback=traceback.format_exc())  # fmt: skip
+        os._exit(1)
     except BaseException as err:  # noqa: BLE001 - every failure is reported to the parent
-        peer = isinstance(err, getattr(dist, "DistBackendError", ())) or any(s in str(err) for s in _PEER_ERRORS)
+        peer = isinstance(err, getattr(dist, "DistBackendError", ())) or any(
+            s in str(err) for s in _PEER_ERRORS
+        )
         _write(err_file, kind="exception", rank=rank, type=type(err).__name__, message=str(err),
                value_error=isinstance(err, ValueError), peer=peer, traceback=traceback.format_exc())  # fmt: skip
         traceback.print_exc()
@@ -269,9 +291,8 @@ def _describe(rank: int, code: int, err_dir: str) -> tuple[int, RankFailure]:
     """(priority, failure) of a rank that exited with `code`; lower priority = closer to the root cause."""
     path = os.path.join(err_dir, f"rank{rank}.json")
     record = None
-    with contextlib.suppress(OSError, ValueError):
-        with open(path) as f:
-            record = json.load(f)
+    with contextlib.suppress(OSError, ValueError), open(path) as f:
+        record = json.load(f)
     if record is not None and record["kind"] == "hang":
         return 0, RankFailure(record["message"], rank=record["rank"], kind="hang")
     if record is not None:
@@ -295,6 +316,8 @@ def _describe(rank: int, code: int, err_dir: str) -> tuple[int, RankFailure]:
 
 
 def _kill_group(proc) -> None:
+    if proc.pid is None:  # never started
+        return
     for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), proc.kill):
         with contextlib.suppress(ProcessLookupError, PermissionError, OSError, AttributeError):
             kill()
@@ -341,26 +364,50 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
             for p in procs:  # failed job: kill the survivors; finished job: anything a rank left behind
                 _kill_group(p)
             for p in procs:
-                p.join(timeout=10)
+                if p.pid is not None:
+                    p.join(timeout=10)
         del board
     if failures:
         raise min(failures, key=lambda f: (f[0], f[1], f[2]))[3]
 
 
-def init_from_env(backend: str | None = None, timeout_s: float = 600.0, *, watchdog: bool = True) -> tuple[int, int]:
+def _launch_store_address() -> str | None:
+    """host:port of the TCPStore the process group rendezvoused on (torchrun's agent store, or rank 0's)."""
+    store = (
+        dist.distributed_c10d._get_default_store()
+        if hasattr(dist.distributed_c10d, "_get_default_store")
+        else None
+    )
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if isinstance(store, dist.TCPStore):
+        return f"{store.host}:{store.port}"
+    port = os.environ.get("MASTER_PORT")
+    return f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{port}" if port else None
+
+
+def init_from_env(
+    backend: str | None = None, timeout_s: float = 600.0, *, watchdog: bool = True
+) -> tuple[int, int]:
     """Join a torchrun launch (RANK/WORLD_SIZE/MASTER_* set); NCCL when CUDA is available.
 
     With `watchdog`, a rank blocked `timeout_s` in a collective that another rank does not join makes
     every rank that sees it exit with code 124 and a line naming the hung rank (torchrun then stops the
-    rest); the board is the launch's own TCPStore at MASTER_ADDR:MASTER_PORT."""
+    rest); the board is the launch's own TCPStore (a separate client connection). The process group's
+    timeout (NCCL's too) is then a backstop a little after `timeout_s`."""
     if not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(
+            backend, timeout=_backstop(timeout_s) if watchdog else timedelta(seconds=timeout_s)
+        )
     rank, world = dist.get_rank(), dist.get_world_size()
-    board = os.environ.get(_BOARD_ENV) or f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '')}"
-    if watchdog and world > 1 and _watchdog is None and not board.endswith(":"):
-        _start_watchdog(board, rank, world, timeout_s, _exit_hung(None, rank))
-        _set_watchdog(ready=True)
+    if watchdog and world > 1 and _watchdog is None:
+        board = os.environ.get(_BOARD_ENV) or _launch_store_address()
+        try:
+            _start_watchdog(board, rank, world, timeout_s, _exit_hung(None, rank))
+            _set_watchdog(ready=True)
+        except Exception as err:  # noqa: BLE001 - no board: run without hang detection rather than not at all
+            print(f"specforge-csbp: rank {rank}: hang watchdog disabled ({err})", file=sys.stderr, flush=True)
     return rank, world

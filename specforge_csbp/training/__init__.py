@@ -24,7 +24,7 @@ _EXPORTS = {
     "under_torchrun": "trainer", "MicroBatch": "workload", "Workload": "workload", "NonFiniteError": "step",
     "StepOutOfMemory": "step", "seed_step": "trainer",
 }  # fmt: skip
-__all__ = [  # noqa: RUF022 - grouped like _EXPORTS
+__all__ = [
     "MicroBatch", "NonFiniteError", "ParallelConfig", "Section", "StepOutOfMemory", "StepResult", "TrainConfig",
     "TrainContext", "Workload", "apply_overrides", "build_context", "launch", "load_recipe", "reduce_gradients",
     "seed_step", "train", "train_step", "under_torchrun",

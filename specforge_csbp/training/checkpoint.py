@@ -27,7 +27,12 @@ from typing import Any
 import torch
 
 __all__ = [
-    "MANIFEST", "checkpoint_step", "incomplete_reason", "latest_checkpoint", "load_trainer_state", "save_checkpoint",
+    "MANIFEST",
+    "checkpoint_step",
+    "incomplete_reason",
+    "latest_checkpoint",
+    "load_trainer_state",
+    "save_checkpoint",
 ]
 
 MANIFEST = "manifest.json"
@@ -54,7 +59,9 @@ def _fsync(path: Path) -> None:
 
 def _files(root: Path) -> dict[str, int]:
     return {
-        str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file() and p.name != MANIFEST
+        str(p.relative_to(root)): p.stat().st_size
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
     }
 
 
@@ -116,7 +123,9 @@ def save_checkpoint(
     _fsync(pointer)
     os.replace(pointer, out / _POINTER)
     _fsync(out)
-    done = sorted((p for p in out.glob("step_*") if p.is_dir() and checkpoint_step(p) is not None), key=checkpoint_step)
+    done = sorted(
+        (p for p in out.glob("step_*") if p.is_dir() and checkpoint_step(p) is not None), key=checkpoint_step
+    )
     for p in [p for p in done if p != final][: max(len(done) - keep, 0)]:
         shutil.rmtree(p, ignore_errors=True)
     return final

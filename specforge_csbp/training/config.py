@@ -93,7 +93,9 @@ class TrainConfig(Section):
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
         if self.warmup_steps > self.steps:
-            raise ValueError(f"train.warmup_steps ({self.warmup_steps}) must be <= train.steps ({self.steps})")
+            raise ValueError(
+                f"train.warmup_steps ({self.warmup_steps}) must be <= train.steps ({self.steps})"
+            )
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"train.betas must both be in [0, 1); got {list(self.betas)}")
         return self

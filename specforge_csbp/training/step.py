@@ -100,20 +100,26 @@ def _any_rank(flags: list[bool], group) -> list[bool]:
     return [bool(v) for v in t.cpu().tolist()]
 
 
-def _first_offender(step: int, local: str | None, group) -> str:
-    """'step N: non-finite ... on rank r: <tensor>' from every rank's local finding (the lowest rank wins)."""
-    found: list[str | None] = [local]
+def _first_offender(step: int, local: tuple[int, str] | None, group) -> str:
+    """'step N: non-finite value on rank r: first offending tensor ...' from every rank's local finding
+    (phase, text): a loss (phase 0) comes before a gradient (phase 1), since a NaN reaching the loss on one
+    rank also poisons other ranks' gradients through the attention collectives' backward; then the lowest
+    rank."""
+    found: list[tuple[int, str] | None] = [local]
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         found = [None] * dist.get_world_size(group)
         dist.all_gather_object(found, local, group=group)
     ranks = [r for r, f in enumerate(found) if f is not None]
-    if group is not None and dist.is_initialized():  # name ranks as the launcher does (global ranks)
-        ranks = [dist.get_global_rank(group, r) for r in ranks]
-    first = next(f for f in found if f is not None)
-    also = f" (also on ranks {', '.join(map(str, ranks[1:]))})" if len(ranks) > 1 else ""
+    order = sorted(ranks, key=lambda r: (found[r][0], r))
+    names = {
+        r: dist.get_global_rank(group, r) if group is not None and dist.is_initialized() else r for r in ranks
+    }
+    others = [names[r] for r in order[1:]]
+    also = f" (also on rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})" if others else ""
     return (
-        f"step {step + 1}: non-finite value on rank {ranks[0]}{also}: first offending tensor {first}; the step "
-        f"was not applied (weights, optimizer state and checkpoints are those of step {step})"
+        f"step {step + 1}: non-finite value on rank {names[order[0]]}{also}: first offending tensor "
+        f"{found[order[0]][1]}; the step was not applied (weights, optimizer state and checkpoints are those "
+        f"of step {step})"
     )
 
 
@@ -149,11 +155,12 @@ def train_step(
             value = numerator.detach().double().cpu()
             total += value
             if bad is None and not torch.isfinite(value):
-                bad = f"loss numerator of micro batch {i} ({float(value)})"
+                bad = (0, f"loss numerator of micro batch {i} ({float(value)})")
     except _OOM:
         oom = True
     if bad is None and not oom:  # this rank's own gradients, before the sum mixes every rank's in
-        bad = first_nonfinite((f"{n}.grad", p.grad) for n, p in named)
+        grad = first_nonfinite((f"{n}.grad", p.grad) for n, p in named)
+        bad = None if grad is None else (1, grad)
     heartbeat(f"step {step + 1}: agree on OOM / non-finite")
     any_oom, any_bad = _any_rank([oom, bad is not None], group)
     if any_oom:

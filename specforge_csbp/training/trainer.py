@@ -116,13 +116,22 @@ def _build(workload: Workload, ctx: TrainContext, train: TrainConfig):
     return model, optimizer, scheduler
 
 
+def _logged_step(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):  # a line cut short by a kill
+        return None
+
+
 def _truncate_log(path: Path, step: int) -> None:
-    """Keep the log lines of steps <= `step` (a killed run may have logged steps its checkpoint lacks)."""
+    """Keep the log lines of steps <= `step` (a killed run may have logged steps its checkpoint lacks, or
+    half a line)."""
     if not path.exists():
         return
-    lines = path.read_text().splitlines()
-    keep = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
-    if len(keep) != len(lines):
+    text = path.read_text()
+    lines = text.splitlines()
+    keep = [line for line in lines if (s := _logged_step(line)) is not None and s <= step]
+    if len(keep) != len(lines) or (text and not text.endswith("\n")):
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(f"{line}\n" for line in keep))
         os.replace(tmp, path)

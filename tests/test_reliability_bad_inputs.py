@@ -1,0 +1,157 @@
+"""The bad-input table of docs/reliability.md: every row is a case here (or names the existing test that
+covers it), and every case fails with one line naming the field and what is allowed, before anything is
+written to train.output_dir.
+
+Cases run `specforge-csbp train-bdlm` in this process (one rank: no process start); `empty-dataset` runs
+2 gloo ranks, so its error is raised inside the ranks and comes back as one line too.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from test_reliability_common import SFT
+
+from specforge_csbp.cli.main import main
+from specforge_csbp.training.checkpoint import save_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+ONE = ["parallel.world_size=1", "parallel.cp_degree=1"]
+
+# id -> (overrides, fixture, expected text: the field and what is allowed)
+CASES: dict[str, tuple[list[str], str | None, str]] = {
+    "world-size": (["parallel.world_size=3"], None, "parallel: dp_degree x cp_degree = 1 x 2 must equal the world size 3"),
+    "dp-degree": (["parallel.dp_degree=2"], None, "parallel: dp_degree x cp_degree = 2 x 2 must equal the world size 2"),
+    "cp-degree": (["parallel.cp_degree=0"], None, "parallel.cp_degree: Input should be greater than or equal to 1"),
+    "unknown-mode": (["parallel.mode=ring"], None, "parallel.mode: Input should be 'csbp', 'cp', 'bp' or 'reference'"),
+    "reference-cp": (["parallel.mode=reference"], None, "parallel: mode 'reference' needs cp_degree 1, got 2"),
+    "attention-backend": (["parallel.attention_backend=triton"], None,
+                          "parallel.attention_backend: Input should be 'auto', 'dense' or 'flex'"),
+    "timeout": (["parallel.timeout_s=0"], None, "parallel.timeout_s: Input should be greater than 0"),
+    "length-multiple": (["data.max_length=60"], None, "data.max_length (60) must be a multiple of model.block_size (8)"),
+    "too-few-blocks": (["data.max_length=8"], None, ("data.max_length / model.block_size vs parallel.cp_degree: "
+                       "seq_len/block_size = 1 blocks < world_size = 2: every rank needs at least one block")),
+    "block-size": (["model.block_size=0"], None, "model.block_size: Input should be greater than or equal to 1"),
+    "clean-rule": (["model.clean_within_block=full"], None,
+                   "model.clean_within_block: Input should be 'causal' or 'bidirectional'"),
+    "model-source": (["model.pretrained=/x"], None,
+                     "model: set exactly one of model.config (random weights) and model.pretrained"),
+    "model-type": (["model.config.model_type=nope"], None,
+                   "model.config.model_type: Unrecognized model identifier: nope. Should contain one of"),
+    "unroutable-model": (["model.config.model_type=bloom"], None,
+                         "model: BloomForCausalLM does not route attention through transformers' AttentionInterface"),
+    "mask-token-range": (["objective.mask_token_id=128"], None, "objective.mask_token_id must be in [0, 128) (the vocab)"),
+    "mask-token-missing": ([], "no_mask_token", "objective.mask_token_id: Field required"),
+    "pad-token": (["data.pad_token_id=500"], None, "data.pad_token_id must be in [0, 128); got 500"),
+    "objective-kind": (["objective.kind=dpo"], None, "objective.kind: Input should be 'sft' or 'convert'"),
+    "noise-eps": (["objective.eps=1.5"], None, "objective.eps: Input should be less than 1"),
+    "precision": (["train.precision=float16"], None,
+                  "train.precision: Input should be 'auto', 'float32', 'bfloat16' or 'float64'"),
+    "lr": (["train.lr=0"], None, "train.lr: Input should be greater than 0"),
+    "warmup": (["train.warmup_steps=50"], None, "train.warmup_steps (50) must be <= train.steps (20)"),
+    "betas": (["train.betas=[0.9,1.5]"], None, "train.betas must both be in [0, 1); got [0.9, 1.5]"),
+    "unknown-field": (["train.lrr=1"], None, "train.lrr: Extra inputs are not permitted"),
+    "override-syntax": (["train.lr"], None, "override 'train.lr' must look like section.field=value"),
+    "jsonl-path": (["data.source=jsonl"], None, "data: data.path is required for source 'jsonl'"),
+    "jsonl-unreadable": (ONE + ["data.source=jsonl", "data.path={tmp}/missing.jsonl"], None,
+                         "data.path: cannot read {tmp}/missing.jsonl: No such file or directory"),
+    "empty-dataset": (["data.source=jsonl", "data.path={tmp}/empty.jsonl"], "jsonl",
+                      "data.path: {tmp}/empty.jsonl has no records"),
+    "token-range": (ONE + ["data.source=jsonl", "data.path={tmp}/oov.jsonl"], "jsonl",
+                    "data.path: {tmp}/oov.jsonl:1 has token ids outside [0, 128)"),
+    "loss-mask-length": (ONE + ["data.source=jsonl", "data.path={tmp}/len.jsonl"], "jsonl",
+                         "data.path: {tmp}/len.jsonl:1 loss_mask has 2 entries, input_ids 3"),
+    "output-dir-file": (ONE, "out_is_file", "train.output_dir: {out} is a file; it must be a directory"),
+    "output-dir-taken": (ONE + ["train.resume=false"], "checkpoint",
+                         ("train.output_dir: {out} already holds checkpoints (step_00000002) and train.resume is "
+                          "false; set train.resume=true to continue that run or use a new train.output_dir")),
+    "latest-incomplete": (ONE, "incomplete", ("train.output_dir: {out}/latest names step_00000002, which is "
+                          "incomplete (optimizer.pt is missing); point it at a complete step_* directory")),
+    "resume-seed": (ONE + ["train.seed=1"], "checkpoint",
+                    "train.seed: 1 differs from the seed 0 of {out}/step_00000002; a resumed run must keep the seed"),
+    "resume-batch": (ONE + ["train.micro_batch_size=1"], "checkpoint",
+                     ("train.micro_batch_size x train.grad_accum x dp_degree = 1 x 1 x 1 = 1 sequences per step, "
+                      "but {out}/step_00000002 was trained with 2; a resumed run must keep the global batch")),
+    "resume-steps": (ONE + ["train.steps=1", "train.warmup_steps=0"], "checkpoint",
+                     "train.steps: 1 is below the step 2 of the checkpoint {out}/step_00000002; it must be >= 2"),
+}  # fmt: skip
+
+
+def _fixture(kind: str | None, tmp: Path, out: Path) -> list[str]:
+    """Prepare what a case needs; returns extra command-line arguments."""
+    (tmp / "empty.jsonl").write_text("")
+    (tmp / "oov.jsonl").write_text('{"input_ids": [1, 2, 300]}\n')
+    (tmp / "len.jsonl").write_text('{"input_ids": [1, 2, 3], "loss_mask": [1, 1]}\n')
+    if kind == "no_mask_token":
+        text = Path(SFT).read_text()
+        recipe = tmp / "recipe.yaml"
+        recipe.write_text(re.sub(r"\n  mask_token_id: .*", "", text))
+        return ["-c", str(recipe)]
+    if kind == "out_is_file":
+        out.write_text("not a directory")
+    if kind in (
+        "checkpoint",
+        "incomplete",
+    ):  # a complete checkpoint of a 1-rank run (seed 0, 2 sequences/step)
+        layout = {
+            "seed": 0,
+            "global_batch": 2,
+            "world_size": 1,
+            "dp_degree": 1,
+            "cp_degree": 1,
+            "mode": "reference",
+        }
+        save_checkpoint(out, 2, write_model=lambda p: (p / "model.safetensors").write_bytes(b"x"),
+                        optimizer_state={}, trainer_state={"step": 2, "layout": layout})  # fmt: skip
+        if kind == "incomplete":
+            (out / "step_00000002" / "optimizer.pt").unlink()
+    return ["-c", SFT]
+
+
+def _snapshot(path: Path) -> dict | None:
+    if not path.exists():
+        return None
+    if path.is_file():
+        return {".": path.read_bytes()}
+    return {
+        str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.rglob("*"))
+    }
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input(case, tmp_path, capsys):
+    overrides, kind, expected = CASES[case]
+    out = tmp_path / "out"
+    config = _fixture(kind, tmp_path, out)
+    before = _snapshot(out)
+    args = [a.format(tmp=tmp_path, out=out) for a in overrides]
+    rc = main(["train-bdlm", *config, *args, f"train.output_dir={out}", "train.progress=false"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("specforge-csbp train-bdlm: error: "), err
+    assert expected.format(tmp=tmp_path, out=out) in err, err
+    if "parallel.world_size=1" not in overrides and kind == "jsonl":  # raised inside 2 spawned ranks
+        assert re.match(r"specforge-csbp train-bdlm: error: rank [01]: data.path", err), err
+    assert _snapshot(out) == before  # nothing written to the output directory
+
+
+def _table_rows() -> list[tuple[str, str]]:
+    """(id, test) of every row of the bad-input table in docs/reliability.md."""
+    text = (ROOT / "docs" / "reliability.md").read_text()
+    table = text.split("## Bad inputs", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| `")]
+    return [(r[0].strip().strip("`"), r[-1].strip()) for r in rows]
+
+
+def test_the_docs_table_lists_every_case_and_only_existing_tests():
+    rows = _table_rows()
+    assert len(rows) >= 25
+    ours = [i for i, test in rows if "test_reliability_bad_inputs.py" in test]
+    assert sorted(ours) == sorted(CASES)  # every case is documented, every documented case is tested
+    for row_id, test in rows:
+        for ref in re.findall(r"`(tests/[\w/]+\.py)::(\w+)", test):
+            source = (ROOT / ref[0]).read_text()
+            assert f"def {ref[1]}(" in source, (row_id, ref)
