@@ -51,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny CPU run (gloo, dense backend)")
     p.add_argument("--schedule", choices=["overlap", "fused"], default="overlap",
                    help="our modes: overlap the gather with local attention + LSE merge, or one fused call")
+    p.add_argument("--regather", action="store_true",
+                   help="our modes: free gathered K/V after forward, gather again in backward (memory)")
     p.add_argument("--profile", action="store_true", help="print the top kernels of one extra step per point")
     return p.parse_args(argv)
 
@@ -188,7 +190,7 @@ def _build(mode, seq_len, args, device, communicate=True):
         return ShardedAttention(plan, args.block_size, backend=backend), plan.q_rows, plan.kv_rows
     plan = bdlm_plan(mode, seq_len, args.block_size, dist.get_world_size())[dist.get_rank()]
     attn = ShardedAttention(plan, args.block_size, backend=backend, communicate=communicate, stats=CommStats(),
-                            schedule=args.schedule)  # fmt: skip
+                            schedule=args.schedule, regather=args.regather)  # fmt: skip
     return attn, plan.q_rows, plan.kv_rows
 
 
@@ -247,7 +249,7 @@ def run(args) -> list[BenchRecord]:
                 continue
             base = dict(workload="attention", mode=mode, world_size=1 if mode == "reference" else world,
                         context_len=seq_len, block_size=args.block_size, device=device_desc, date=today,
-                        command=command, launch=command, schedule=args.schedule, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                        command=command, launch=command, schedule=args.schedule, regather=args.regather, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                         dtype=str(dtype).removeprefix("torch."), check_rel_err=checks.get(mode))  # fmt: skip
             try:
                 if device.type == "cuda":

@@ -31,7 +31,7 @@ def _cases(world):
                 # the fused schedule (one seam call, no merge) on alternating cases; BP has no gather
                 schedule = "fused" if (i + (rule == "causal")) % 2 and mode != "bp" else "overlap"
                 yield CheckCase(mode, L, S, heads=h, kv_heads=k, head_dim=8, clean_within_block=rule, batch=2,
-                                seed=i, schedule=schedule)  # fmt: skip
+                                seed=i, schedule=schedule, regather=schedule == "overlap" and i == 1)  # fmt: skip
 
 
 def _worker(rank, world, out_dir):
@@ -80,3 +80,32 @@ def test_csbp_moves_only_clean_kv_and_cp_moves_both_copies(world, tmp_path):
         assert sent["csbp"][rank] == {"all_gather": (world - 1) * clean_kv_bytes, "reduce_scatter": (world - 1) * clean_kv_bytes}
         assert sent["cp"][rank] == {k: 2 * v for k, v in sent["csbp"][rank].items()}  # both copies
         assert sent["bp"][rank] == {}
+
+
+def _regather_worker(rank, world, out_dir):
+    """Is the gathered K/V buffer still alive after forward (held for backward)?"""
+    import gc
+
+    import torch
+
+    from specforge_csbp.layout import bdlm_plan
+    from specforge_csbp.parallel import ShardedAttention
+
+    alive = {}
+    for regather in (False, True):
+        plan = bdlm_plan("csbp", 32, 4, world)[rank]
+        attn = ShardedAttention(plan, 4, regather=regather)
+        q = torch.randn(1, 2, len(plan.q_rows), 8, dtype=torch.float64, requires_grad=True)
+        k, v = (torch.randn(1, 2, len(plan.kv_rows), 8, dtype=torch.float64, requires_grad=True) for _ in "kv")
+        out, lse = attn(q, k, v)
+        gc.collect()
+        alive[str(regather)] = attn.last_gather.buffer() is not None
+        out.sum().backward()  # still runs (and re-gathers) after the buffer is gone
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump(alive, f)
+
+
+def test_regather_frees_the_gathered_kv_after_forward(tmp_path):
+    spawn(_regather_worker, 2, str(tmp_path))
+    for rank in range(2):
+        assert json.loads((tmp_path / f"{rank}.json").read_text()) == {"False": True, "True": False}

@@ -13,13 +13,16 @@ counts are what a rank sends on a ring: (P-1) segments per all-gather and per re
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommStats", "COMM_STATS", "KVGather"]
+__all__ = ["CommStats", "COMM_STATS", "GatherHandle", "KVGather"]
 
 
 @dataclass
@@ -96,33 +99,79 @@ class _Wait(torch.autograd.Function):
         return grad, None
 
 
+class GatherHandle:
+    """One in-flight gather: `wait()` returns the gathered K and V; `regather_saved()` optionally frees them
+    after forward (backward gathers them again from the small local shard, once per call)."""
+
+    def __init__(self, gathered: torch.Tensor, shard: torch.Tensor, pending: _Pending):
+        self._gathered: torch.Tensor | None = gathered
+        self._shard, self._pending = shard, pending
+        self._storage = None
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self._gathered is not None, "GatherHandle.wait() called twice"
+        kv = _Wait.apply(self._gathered, self._pending)  # [world * width, 2, B, Hk, D], rank-major
+        self.buffer = weakref.ref(self._gathered)  # lets a caller see whether backward still holds it
+        self._gathered = None  # the handle must not keep the big buffer alive
+        self._storage = kv.untyped_storage().data_ptr()
+        return kv[:, 0].permute(1, 2, 0, 3), kv[:, 1].permute(1, 2, 0, 3)
+
+    def _gather_again(self) -> torch.Tensor:
+        p, shard = self._pending, self._shard
+        out = shard.new_empty((p.world * shard.shape[0],) + tuple(shard.shape[1:]))
+        if p.communicate:
+            dist.all_gather_into_tensor(out, shard, group=p.group)
+            p.stats.add("all_gather_backward", shard.numel() * shard.element_size() * (p.world - 1))
+        else:
+            out.view(p.world, *shard.shape).copy_(shard.expand(p.world, *shard.shape))
+        return out
+
+    @contextlib.contextmanager
+    def regather_saved(self) -> Iterator[None]:
+        """Tensors saved for backward inside this block that view the gathered buffer are not kept: backward
+        gathers the buffer again (one extra all-gather of the shard per call, not overlapped) and rebuilds
+        each view with its original size, stride and offset. Trades one collective for world x shard memory."""
+        storage, regathered = self._storage, {}
+
+        def pack(t: torch.Tensor):
+            if storage is not None and t.untyped_storage().data_ptr() == storage:
+                return (_REGATHER, t.size(), t.stride(), t.storage_offset())
+            return t
+
+        def unpack(packed):
+            if isinstance(packed, tuple) and packed and packed[0] is _REGATHER:
+                if "buffer" not in regathered:
+                    regathered["buffer"] = self._gather_again()
+                return regathered["buffer"].as_strided(packed[1], packed[2], packed[3])
+            return packed
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+
+_REGATHER = object()
+
+
 class KVGather:
     """Gathers the shared rows of local K and V from every rank of `group`.
 
-    `start(k, v, rows, width)` launches the collective and returns immediately; `wait()` returns the
-    gathered K and V as [B, Hk, world * width, D] views, rank-major (segment r = rank r's rows, padded).
+    `start(k, v, rows, width)` launches the collective and returns a `GatherHandle` at once; its `wait()`
+    returns the gathered K and V as [B, Hk, world * width, D] views, rank-major (segment r = rank r's rows,
+    padded to `width`).
     """
 
     def __init__(self, group=None, *, stats: CommStats = COMM_STATS, communicate: bool = True):
         self.group = group
         self.world = dist.get_world_size(group)
         self.stats, self.communicate = stats, communicate
-        self._state: tuple[torch.Tensor, _Pending] | None = None
 
-    def start(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, width: int) -> None:
-        b, hk, _, d = k.shape
+    def start(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, width: int) -> GatherHandle:
         # [n, 2, B, Hk, D]: token-major so the gathered buffer is rank-major along tokens.
         kv = torch.stack([k.index_select(2, rows.to(k.device)), v.index_select(2, rows.to(v.device))], dim=0)
         shard = kv.permute(3, 0, 1, 2, 4)
         n = shard.shape[0]
         if n < width:
             shard = torch.cat([shard, shard.new_zeros((width - n,) + tuple(shard.shape[1:]))])
+        shard = shard.contiguous()
         pending = _Pending(self.group, self.world, self.stats, self.communicate)
-        self._state = (_Start.apply(shard.contiguous(), pending), pending)
-
-    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self._state is not None, "KVGather.wait() without start()"
-        gathered, pending = self._state
-        self._state = None
-        kv = _Wait.apply(gathered, pending)  # [world * width, 2, B, Hk, D], rank-major
-        return kv[:, 0].permute(1, 2, 0, 3), kv[:, 1].permute(1, 2, 0, 3)
+        return GatherHandle(_Start.apply(shard, pending), shard.detach(), pending)

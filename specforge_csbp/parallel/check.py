@@ -37,6 +37,7 @@ class CheckCase:
     batch: int = 1
     seed: int = 0
     schedule: str = "overlap"
+    regather: bool = False
 
     def validate(self, world_size: int) -> None:
         check_bdlm_shape(self.mode, self.seq_len, self.block_size, world_size)
@@ -91,7 +92,7 @@ def _run_rank(case: CheckCase, plan, group, device, stats: CommStats):
     )
     attn = ShardedAttention(
         plan, case.block_size, clean_within_block=case.clean_within_block, group=group, stats=stats,
-        schedule=case.schedule,
+        schedule=case.schedule, regather=case.regather,
     )  # fmt: skip
     out, lse = attn(lq, lk, lv)
     primary = plan.q_primary.to(device)

@@ -16,6 +16,8 @@ CP, BP and CSBP are this same code over different plans (layout/plans.py).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -46,6 +48,7 @@ class ShardedAttention:
         communicate: bool = True,
         stats: CommStats = COMM_STATS,
         schedule: str = "overlap",
+        regather: bool = False,
     ):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
@@ -54,6 +57,7 @@ class ShardedAttention:
             if group_size != plan.world_size:
                 raise ValueError(f"world_size: plan has {plan.world_size} ranks, process group has {group_size}")
         self.plan, self.group, self.backend, self.schedule = plan, group, backend, schedule
+        self.regather = regather  # free gathered K/V after forward; gather again in backward
         rule = dict(clean_within_block=clean_within_block, window=window, noisy_causal=noisy_causal)
         self.local = Visibility(plan.q_tokens, plan.kv_tokens, block_size, **rule)
         self.remote = Visibility(plan.q_tokens, plan.remote_kv_tokens, block_size, **rule) if plan.communicates else None
@@ -64,17 +68,18 @@ class ShardedAttention:
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._gather is not None:
-            self._gather.start(k, v, self.plan.shared, self.plan.gather_len)
-            if self.schedule == "fused":
-                k_all, v_all = self._gather.wait()
-                k_cat, v_cat = torch.cat([k, k_all], dim=2), torch.cat([v, v_all], dim=2)
-                return partial_attention(q, k_cat, v_cat, self.fused, scale=scale, backend=self.backend)
-        out, lse = partial_attention(q, k, v, self.local, scale=scale, backend=self.backend)
         if self._gather is None:
-            return out, lse
-        k_all, v_all = self._gather.wait()
-        out_r, lse_r = partial_attention(q, k_all, v_all, self.remote, scale=scale, backend=self.backend)
+            return partial_attention(q, k, v, self.local, scale=scale, backend=self.backend)
+        handle = self.last_gather = self._gather.start(k, v, self.plan.shared, self.plan.gather_len)
+        if self.schedule == "fused":
+            k_all, v_all = handle.wait()
+            # the cat copies, so the gathered buffer is not saved for backward and regather has nothing to do
+            k_cat, v_cat = torch.cat([k, k_all], dim=2), torch.cat([v, v_all], dim=2)
+            return partial_attention(q, k_cat, v_cat, self.fused, scale=scale, backend=self.backend)
+        out, lse = partial_attention(q, k, v, self.local, scale=scale, backend=self.backend)
+        k_all, v_all = handle.wait()
+        with handle.regather_saved() if self.regather else contextlib.nullcontext():
+            out_r, lse_r = partial_attention(q, k_all, v_all, self.remote, scale=scale, backend=self.backend)
         return merge_partials(out, lse, out_r, lse_r)
 
 
