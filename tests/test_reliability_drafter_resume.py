@@ -20,7 +20,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 import torch
 import yaml
 from test_plugin_e2e import ASSETS, DRAFTER, _losses
@@ -28,40 +27,45 @@ from test_plugin_e2e import ASSETS, DRAFTER, _losses
 STEPS = 4
 RUN_ID = "rel"
 
-# A worker-side patch, active only when CSBP_TEST_FAULT is set: "kill:RANK:STEP" SIGKILLs that rank inside
-# the forward of that (1-based) step; "nan:RANK:STEP:WHAT" poisons that rank's loss or one gradient.
-SITECUSTOMIZE = textwrap.dedent('''
+# A worker-side patch, active only when CSBP_TEST_FAULT is set: "kill:RANK:STEP" SIGKILLs that rank in the
+# forward of that (1-based) step, "raise:RANK:STEP" raises there; "nan:RANK:STEP:loss" makes that rank's loss
+# numerator NaN and "nan:RANK:STEP:PARAM" that rank's gradient of drafter parameter PARAM inf.
+SITECUSTOMIZE = textwrap.dedent("""
     import os
     _fault = os.environ.get("CSBP_TEST_FAULT")
     if _fault and "RANK" in os.environ:
         import signal
         import torch
-        from specforge_csbp.plugin import strategy as _s
+        from specforge_csbp.plugin import training_model as _m
 
         _kind, _rank, _step, *_rest = _fault.split(":")
-        _original = _s.CSBPDraftTrainStrategy.forward_loss
+        _original = _m.CSBPDrafterTrainingModel.forward
 
-        def forward_loss(self, batch, ctx=None):
-            step = (ctx.global_step if ctx is not None else 0) + 1
-            hit = int(os.environ["RANK"]) == int(_rank) and step == int(_step)
+        def forward(self, sample_index, global_step=0):
+            hit = int(os.environ["RANK"]) == int(_rank) and int(global_step) + 1 == int(_step)
             if hit and _kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
-            out = _original(self, batch, ctx)
+            if hit and _kind == "raise":
+                raise RuntimeError("injected crash")
+            numerator, denominator, stats = _original(self, sample_index, global_step)
             if hit and _kind == "nan" and _rest[0] == "loss":
-                out.loss_terms = (out.loss_terms[0] * float("nan"), out.loss_terms[1])
-                out.loss = out.loss_terms[0]
-            if hit and _kind == "nan" and _rest[0] != "loss":
-                name = _rest[0]
-                param = dict(self.model.named_parameters())[name]
-                param.register_hook(lambda g: g * float("inf") if not getattr(param, "_done", False) else g)
-            return out
+                numerator = numerator * float("nan")
+            elif hit and _kind == "nan":  # this rank's gradient of one parameter becomes inf, once
+                param = dict(self.draft_model.named_parameters())[_rest[0]]
+                handle = []
+                def poison(grad):
+                    handle[0].remove()
+                    return grad * float("inf")
+                handle.append(param.register_hook(poison))
+            return numerator, denominator, stats
 
-        _s.CSBPDraftTrainStrategy.forward_loss = forward_loss
-''')
+        _m.CSBPDrafterTrainingModel.forward = forward
+""")
 
 
 def _env(tmp: str, fault: str | None) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("SPECFORGE_CSBP_DISABLE", "CSBP_TEST_FAULT")}
+    env["CSBP_TEST_MARK"] = tmp  # finds any process a run left behind
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([tmp, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     if fault:
@@ -124,13 +128,16 @@ def test_killed_drafter_run_resumes_bit_identically_and_reshards(tmp_path):
     assert sorted(_losses(killed.stdout)) == [1, 2]  # died in step 3, after step 2's checkpoint
     assert os.path.realpath(tmp_path / "killed" / f"{RUN_ID}-latest").endswith(f"{RUN_ID}-step2")
 
-    resumed = _ok(specforge_train(["-c", "run.yaml", "output_dir=killed", "training.resume_from=killed"], tmp_path))
+    resumed = _ok(
+        specforge_train(["-c", "run.yaml", "output_dir=killed", "training.resume_from=killed"], tmp_path)
+    )
     got = _losses(resumed.stdout)
     assert sorted(got) == [3, 4], resumed.stdout[-2000:]
     for step in got:  # float32, bit for bit
         assert got[step] == expected[step], (step, got[step], expected[step])
-    final_ref, final = draft_weights(tmp_path / "out" / f"{RUN_ID}-step4"), draft_weights(
-        tmp_path / "killed" / f"{RUN_ID}-step4"
+    final_ref, final = (
+        draft_weights(tmp_path / "out" / f"{RUN_ID}-step4"),
+        draft_weights(tmp_path / "killed" / f"{RUN_ID}-step4"),
     )
     assert final.keys() == final_ref.keys()
     assert all(torch.equal(final[k], final_ref[k]) for k in final)
@@ -146,7 +153,11 @@ def test_killed_drafter_run_resumes_bit_identically_and_reshards(tmp_path):
     got = _losses(resharded.stdout)
     assert sorted(got) == [3, 4]
     for step in got:  # float32: the summation order of the attention merge differs across layouts
-        assert abs(got[step] - expected[step]) <= 1e-6 * abs(expected[step]), (step, got[step], expected[step])
+        assert abs(got[step] - expected[step]) <= 1e-6 * abs(expected[step]), (
+            step,
+            got[step],
+            expected[step],
+        )
     final = draft_weights(tmp_path / "reshard" / f"{RUN_ID}-step4")
     for k in final:
         assert torch.allclose(final[k], final_ref[k], rtol=1e-4, atol=1e-6), k

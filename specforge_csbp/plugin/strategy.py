@@ -5,19 +5,37 @@ wrapper. It returns the step's loss as `loss_terms = (numerator, denominator)`; 
 back-propagates the numerator, all-reduces the denominators over every rank and rescales the summed
 gradients - the global denominator, exactly. Accuracy goes out as a ratio metric (summed over ranks, then
 divided), so the logged numbers are global too.
+
+Non-finite guard (SpecForge's loop has none): each rank notes its first non-finite loss numerator
+(forward_loss) and, in a DDP communication hook, its own first non-finite gradient before the all-reduce
+mixes the ranks' gradients in. Backward still runs (the other ranks' attention collectives need this rank's
+part). At the optimizer boundary, a step pre-hook on SpecForge's inner AdamW (it fires after the gradient
+all-reduce and before any weight, moment or schedule changes) gathers every rank's finding and raises
+`NonFiniteError` on every rank, naming the rank and the tensor (loss before gradient, then the lowest rank;
+an overflow that only appears after the sum is named too). SpecForge saves no checkpoint on an exception,
+so the last checkpoint stays the last good step's.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from specforge.runtime.contracts import TrainBatch
 from specforge.training.strategies.base import DraftTrainStrategy, StepContext, StepOutput
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..training.step import NonFiniteError, first_offender
+from ..training.validate import first_nonfinite
 from .data import FEATURE
 
 __all__ = ["CSBPDraftTrainStrategy"]
+
+_GUARD_HANDLE = None  # the optimizer step pre-hook of the newest strategy
 
 
 class CSBPDraftTrainStrategy(DraftTrainStrategy):
@@ -29,6 +47,68 @@ class CSBPDraftTrainStrategy(DraftTrainStrategy):
         inner = getattr(wrapped_model, "module", wrapped_model)  # DDP / FSDP keep the module here
         # the metric keys must be the same on every rank (SpecForge packs them into one all-reduce)
         self.has_selector = getattr(inner.draft_model, "candidate_selector", None) is not None
+        self._install_nonfinite_guard(inner)
+
+    # -- non-finite guard -------------------------------------------------------------------------------
+    def _install_nonfinite_guard(self, inner: torch.nn.Module) -> None:
+        self._named = [(n, p) for n, p in inner.draft_model.named_parameters() if p.requires_grad]
+        self._order = {id(p): (i, f"draft_model.{n}.grad") for i, (n, p) in enumerate(self._named)}
+        self._found: tuple[int, str] | None = None  # (phase: 0 loss, 1 gradient; what), this rank
+        self._grad_found: tuple[int, str] | None = None  # (parameter index, what): the first in order
+        self._step = 0
+        self._armed = False
+        if isinstance(self.model, DistributedDataParallel):
+            self.model.register_comm_hook(self.model.process_group, self._check_then_allreduce)
+        global _GUARD_HANDLE
+        if _GUARD_HANDLE is not None:  # one strategy per process trains; the newest one guards
+            _GUARD_HANDLE.remove()
+        ref = weakref.ref(self)
+
+        def before_step(optimizer, args, kwargs) -> None:
+            strategy = ref()
+            if strategy is not None:
+                strategy._before_optimizer_step()
+
+        _GUARD_HANDLE = register_optimizer_step_pre_hook(before_step)
+
+    def _note_grads(self, params, grads) -> None:
+        items = [(self._order[id(p)], g) for p, g in zip(params, grads) if id(p) in self._order]
+        what = first_nonfinite((name, g) for (_, name), g in items)
+        if what is not None:
+            index = next(i for (i, name), _ in items if what.startswith(name + " "))
+            if self._grad_found is None or index < self._grad_found[0]:
+                self._grad_found = (index, what)
+
+    def _check_then_allreduce(self, process_group, bucket):
+        """DDP comm hook: this rank's own gradients, then DDP's default averaging all-reduce."""
+        self._note_grads(bucket.parameters(), bucket.gradients())
+        return allreduce_hook(process_group, bucket)
+
+    def _before_optimizer_step(self) -> None:
+        if not self._armed:
+            return
+        self._armed = False
+        if not isinstance(self.model, DistributedDataParallel):  # no comm hook: scan the gradients here
+            self._note_grads([p for _, p in self._named], [p.grad for _, p in self._named])
+        local = self._found or (None if self._grad_found is None else (1, self._grad_found[1]))
+        self._found, self._grad_found = None, None
+        group = getattr(self.model, "process_group", None) if dist.is_initialized() else None
+        if dist.is_initialized():
+            flags = [None] * dist.get_world_size(group)
+            dist.all_gather_object(flags, local is not None, group=group)
+            any_bad = any(flags)
+        else:
+            any_bad = local is not None
+        if any_bad:
+            raise NonFiniteError(first_offender(self._step, local, group))
+        # finite on every rank, yet the averaged gradients overflow (the same on every rank: no collective)
+        where = first_nonfinite((f"draft_model.{n}.grad", p.grad) for n, p in self._named)
+        if where is not None:
+            raise NonFiniteError(
+                f"step {self._step + 1}: non-finite gradient after the all-reduce over ranks (overflow): first "
+                f"offending tensor {where}; the step was not applied (weights, optimizer state and "
+                f"checkpoints are those of step {self._step})"
+            )
 
     def trainable_module(self) -> torch.nn.Module:
         return self.model
@@ -37,6 +117,9 @@ class CSBPDraftTrainStrategy(DraftTrainStrategy):
         self.validate_batch(batch)
         step = ctx.global_step if ctx is not None else 0
         numerator, denominator, stats = self.model(sample_index=batch.tensors[FEATURE], global_step=step)
+        self._step, self._armed = step, True
+        if self._found is None and not torch.isfinite(numerator.detach()).all():
+            self._found = (0, f"loss numerator ({float(numerator.detach())})")
 
         def t(v):
             return numerator.detach().new_tensor(float(v))

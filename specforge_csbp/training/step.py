@@ -25,7 +25,7 @@ from .validate import first_nonfinite
 from .workload import Workload
 
 __all__ = [
-    "NonFiniteError", "StepOutOfMemory", "StepResult", "global_denominator", "reduce_gradients", "train_step",
+    "NonFiniteError", "first_offender", "StepOutOfMemory", "StepResult", "global_denominator", "reduce_gradients", "train_step",
 ]  # fmt: skip
 
 _BUCKET_BYTES = 256 << 20
@@ -100,7 +100,7 @@ def _any_rank(flags: list[bool], group) -> list[bool]:
     return [bool(v) for v in t.cpu().tolist()]
 
 
-def _first_offender(step: int, local: tuple[int, str] | None, group) -> str:
+def first_offender(step: int, local: tuple[int, str] | None, group) -> str:
     """'step N: non-finite value on rank r: first offending tensor ...' from every rank's local finding
     (phase, text): a loss (phase 0) comes before a gradient (phase 1), since a NaN reaching the loss on one
     rank also poisons other ranks' gradients through the attention collectives' backward; then the lowest
@@ -168,7 +168,7 @@ def train_step(
         raise StepOutOfMemory(f"step {step + 1}: out of device memory on at least one rank")
     if any_bad:
         optimizer.zero_grad(set_to_none=True)
-        raise NonFiniteError(_first_offender(step, bad, group))
+        raise NonFiniteError(first_offender(step, bad, group))
     heartbeat(f"step {step + 1}: gradient all-reduce")
     with span("grad_reduce") if span is not None else nullcontext():
         reduce_gradients(params, group)
