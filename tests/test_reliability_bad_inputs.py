@@ -63,6 +63,9 @@ CASES: dict[str, tuple[list[str], str | None, str]] = {
                     "data.path: {tmp}/oov.jsonl:1 has token ids outside [0, 128)"),
     "loss-mask-length": (ONE + ["data.source=jsonl", "data.path={tmp}/len.jsonl"], "jsonl",
                          "data.path: {tmp}/len.jsonl:1 loss_mask has 2 entries, input_ids 3"),
+    "all-masked-record": (ONE + ["data.source=jsonl", "data.path={tmp}/masked.jsonl"], "jsonl",
+                          ("data.path: {tmp}/masked.jsonl:1 has no supervised token within data.max_length=64 "
+                           "(loss_mask all 0 after truncation)")),
     "output-dir-file": (ONE, "out_is_file", "train.output_dir: {out} is a file; it must be a directory"),
     "output-dir-taken": (ONE + ["train.resume=false"], "checkpoint",
                          ("train.output_dir: {out} already holds checkpoints (step_00000002) and train.resume is "
@@ -84,6 +87,7 @@ def _fixture(kind: str | None, tmp: Path, out: Path) -> list[str]:
     (tmp / "empty.jsonl").write_text("")
     (tmp / "oov.jsonl").write_text('{"input_ids": [1, 2, 300]}\n')
     (tmp / "len.jsonl").write_text('{"input_ids": [1, 2, 3], "loss_mask": [1, 1]}\n')
+    (tmp / "masked.jsonl").write_text('{"input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]}\n')
     if kind == "no_mask_token":
         text = Path(SFT).read_text()
         recipe = tmp / "recipe.yaml"

@@ -293,3 +293,17 @@ def test_a_killed_writer_keeps_its_last_flush_and_resumes(tmp_path):
     assert store.sample_ids == [s[0] for s in samples]
     for sid, _, _, hidden in samples:
         assert torch.equal(store.read_intervals(sid, [(0, hidden.shape[0])]), hidden)
+
+
+def test_non_finite_features_are_refused_naming_the_sample(tmp_path):
+    import math
+
+    writer = FeatureStoreWriter(
+        str(tmp_path / "store"), target=TargetInfo(name="t"), target_layer_ids=[0], hidden_size=4, dtype="float32"
+    )
+    feats = torch.zeros(3, 4)
+    feats[1, 2] = math.nan
+    feats[2, 0] = math.inf
+    with pytest.raises(ValueError) as err:
+        writer.add("s0", torch.tensor([1, 2, 3]), torch.tensor([0, 1, 1]), feats)
+    assert str(err.value) == "hidden_states: sample 's0' has 2 non-finite values; features must be finite"

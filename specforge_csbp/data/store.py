@@ -132,6 +132,9 @@ class FeatureStoreWriter:
         for name, t in ((_IDS, input_ids), (_MASK, loss_mask)):
             if t.dim() != 1 or t.shape[0] != length:
                 raise ValueError(f"{name}: expected shape [{length}], got {list(t.shape)}")
+        bad = int((~torch.isfinite(hidden_states)).sum())
+        if bad:  # a NaN/Inf feature would poison every block that sees it, on whichever rank reads it
+            raise ValueError(f"hidden_states: sample {sample_id!r} has {bad} non-finite values; features must be finite")
         tensors = {
             _HIDDEN: hidden_states.detach().to("cpu", self._dtype).contiguous(),
             _IDS: input_ids.detach().to("cpu", torch.int64).contiguous(),

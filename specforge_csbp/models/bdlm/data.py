@@ -74,6 +74,11 @@ class JsonlSource:
                 )
             if any(not 0 <= t < vocab_size for t in ids):
                 raise ValueError(f"data.path: {path}:{n} has token ids outside [0, {vocab_size})")
+            if not any(mask[:seq_len]):  # such a record would add nothing but padding to the loss
+                raise ValueError(
+                    f"data.path: {path}:{n} has no supervised token within data.max_length={seq_len} "
+                    "(loss_mask all 0 after truncation); drop it or supervise at least one token"
+                )
             self.records.append((ids[:seq_len], mask[:seq_len]))
         if not self.records:
             raise ValueError(f"data.path: {path} has no records")
