@@ -111,6 +111,8 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--components", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--bucket", type=int, default=4096, help="sliding-plan row padding (static kernel shapes)")
+    p.add_argument("--regather", action="store_true",
+                   help="csbp: free gathered context K/V after forward, gather again in backward (memory)")
     p.add_argument("--peak-tflops", type=float, default=781.0, help="bf16 GEMM peak per GPU for MFU")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
@@ -400,6 +402,7 @@ def run_ours(mode, L, N, config, model, head, embed, env, args) -> dict:
         box["res"] = drafter_step(
             model, samples, objective=objective, mode=mode, head_weight=head, embed_weight=embed, step=i,
             backend=env.backend, communicate=communicate, bucket=args.bucket, stats=stats, prepared=prepared,
+            regather=args.regather,
         )  # fmt: skip
 
     for _ in range(args.warmup):
@@ -528,6 +531,7 @@ def run_points(args, env, points):
     for mode, L, N in points:
         base = {"workload": f"drafter-{name}", "mode": mode, "world_size": 1 if mode == "specforge" else env.world,
                     "context_len": L, "block_size": config.draft_block_size, "anchors": N, "dflash2": config.is_dflash2,
+                    "regather": args.regather,
                     "device": env.name, "date": datetime.date.today().isoformat(), "command": command_line(env)}  # fmt: skip
         try:
             if mode == "specforge":

@@ -41,12 +41,13 @@ class Case:
     window: int = 9
     is_causal: bool | None = None
     seed: int = 0
+    regather: bool = False  # CSBP: gathered context K/V freed after forward, gathered again in backward
 
 
 def cases(world):
     P = world
     yield Case("csbp", False, (48,), 2 * P + 1, seed=1)
-    yield Case("csbp", True, (52,), 3 * P - 1, loss_type="dpace", bucket=5, seed=2)
+    yield Case("csbp", True, (52,), 3 * P - 1, loss_type="dpace", bucket=5, seed=2, regather=True)
     yield Case(
         "csbp", True, (40, 29), P + 1, sampling="locality", block_size=3, window=5, is_causal=False, seed=3
     )
@@ -90,7 +91,7 @@ def run(case: Case, mode: str, stats=None, group=None):
     model, head, embed, samples, obj = build(case)
     res = drafter_step(
         model, samples, objective=obj, mode=mode, head_weight=head, embed_weight=embed, step=1,
-        bucket=case.bucket, stats=stats or CommStats(), group=group,
+        bucket=case.bucket, stats=stats or CommStats(), group=group, regather=case.regather,
     )  # fmt: skip
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return res, grads

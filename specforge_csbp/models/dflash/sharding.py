@@ -311,13 +311,16 @@ def plan_attention(
     backend: str = "auto",
     communicate: bool = True,
     stats: CommStats = COMM_STATS,
+    regather: bool = False,
 ) -> dict[str, LayerAttention]:
-    """The model's `attention` argument for this rank's plan (one executor per layer type)."""
+    """The model's `attention` argument for this rank's plan (one executor per layer type).
+    `regather`: free each layer's gathered context K/V after forward and gather it again in backward."""
     out = {}
     for kind, lp in plan.layers.items():
         attn = ShardedAttention(
             lp.shard, plan.block_size, window=lp.window, noisy_causal=lp.noisy_causal,
             group=group if plan.world_size > 1 else None, backend=backend, communicate=communicate, stats=stats,
+            regather=regather,
         )  # fmt: skip
         if lp.merge:
             attn = MergedAttention(attn, group, stats, communicate)

@@ -138,6 +138,7 @@ def drafter_step(
     sync_grads: bool = True,
     stats: CommStats = COMM_STATS,
     prepared: Work | None = None,
+    regather: bool = False,
 ) -> StepResult:
     """Forward + backward of one step; gradients land in model parameters (summed over the group).
     `prepared`: this step's `prepare_step(...)` result, if computed ahead of time."""
@@ -171,7 +172,9 @@ def drafter_step(
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for sample, plan, blocks in work:
         feats = load_context(sample, plan.ctx_intervals, device, dtype, model.fc.in_features)
-        attention = plan_attention(plan, group=group, backend=backend, communicate=communicate, stats=stats)
+        attention = plan_attention(
+            plan, group=group, backend=backend, communicate=communicate, stats=stats, regather=regather
+        )
         emb = F.embedding(blocks.draft_ids.to(device).reshape(1, -1), embed_weight).to(dtype)
         pos = (blocks.anchors[:, None] + torch.arange(S)).reshape(-1)
         hidden = model(emb, pos, feats, plan.ctx_positions, attention=attention)
