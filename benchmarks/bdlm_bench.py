@@ -51,6 +51,7 @@ from specforge_csbp.layout.plans import check_bdlm_shape
 from specforge_csbp.models.bdlm import BDLMModel, BDLMWorkload
 from specforge_csbp.models.bdlm.data import SyntheticSource
 from specforge_csbp.models.bdlm.tiny import QWEN3_1_7B, TINY_CONFIGS
+from specforge_csbp.objectives.convert import ConvertObjective
 from specforge_csbp.objectives.sft import SFTObjective
 from specforge_csbp.training.context import TrainContext
 from specforge_csbp.training.metrics import peak_device_tflops, peak_memory_gib
@@ -194,15 +195,17 @@ def run_point(
 ) -> dict | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     participants, group, cp_group, plan_mode, dp, cp = _layout(mode, rank, world, single)
+    command = " ".join([os.path.basename(sys.executable)] + sys.argv)
     record = dict(
-        workload="sft",
+        workload=args.objective,
         mode=mode,
         world_size=len(participants),
         context_len=seq_len,
         block_size=args.block_size,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+        date=datetime.date.today().isoformat(),
+        command=command,
+        launch=command,  # records of one launch are compared side by side (bench/compare.py)
         model=args.model_name,
         precision="bf16-autocast" if args.autocast else "float32",
         activation_checkpointing=args.checkpointing,
@@ -237,7 +240,7 @@ def run_point(
     )
     vocab = model.vocab_size
     workload = TimedWorkload(
-        timer, make_model=lambda: model, objective=SFTObjective(args.block_size, vocab - 1, vocab),
+        timer, make_model=lambda: model, objective=OBJECTIVES[args.objective](args.block_size, vocab - 1, vocab),
         source=SyntheticSource(vocab_size=vocab, seq_len=seq_len, reserved=(vocab - 1,), seed=args.seed),
         seq_len=seq_len, exclude_mask_from_softmax=True, ce_chunk_size=args.ce_chunk_size,
     )  # fmt: skip
@@ -399,6 +402,9 @@ def _rank_main(rank: int, world: int, args) -> None:
         print(_summary(records), flush=True)
 
 
+OBJECTIVES = {"sft": SFTObjective, "convert": ConvertObjective}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -414,6 +420,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="modes that also run the no-communication control step for the breakdown",
     )
     p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--objective", choices=list(OBJECTIVES), default="sft", help="also the record's workload")
     p.add_argument("--steps", type=int, default=2, help="timed steps per point")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per point (compile, block masks)")
     p.add_argument("--ce-chunk-size", type=int, default=4096)

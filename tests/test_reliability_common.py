@@ -143,6 +143,16 @@ def max_rel(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-300)) for k in a)
 
 
+def all_gone(pids, within: float = 5.0) -> bool:
+    """True once none of `pids` runs; SIGKILL lands asynchronously, so allow a short grace under load."""
+    deadline = time.monotonic() + within
+    while any(alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def alive(pid: int) -> bool:
     """True while `pid` runs (a zombie - dead, not yet reaped by its new parent - counts as gone)."""
     try:

@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from test_reliability_common import alive, run_recipe
+from test_reliability_common import all_gone, run_recipe
 
 from specforge_csbp.distributed import spawn
 from specforge_csbp.distributed.launch import HANG_EXIT_CODE, RankFailure, hang_report, heartbeat
@@ -65,7 +65,7 @@ def test_a_crashing_rank_stops_every_rank(tmp_path):
     assert str(err.value).startswith("rank 1 failed: RuntimeError: injected failure")
     pids = _pids(tmp_path)
     assert len(pids) == 6
-    assert not any(alive(p) for p in pids), pids
+    assert all_gone(pids), pids
 
 
 def test_a_hung_rank_is_named_and_every_rank_stops_within_the_timeout(tmp_path):
@@ -82,7 +82,7 @@ def test_a_hung_rank_is_named_and_every_rank_stops_within_the_timeout(tmp_path):
     assert "rank 1 was not in one" in message
     assert elapsed < 60, elapsed
     pids = _pids(tmp_path)
-    assert len(pids) == 4 and not any(alive(p) for p in pids), pids
+    assert len(pids) == 4 and all_gone(pids), pids
     assert (tmp_path / "run" / "latest").read_text() == "step_00000001"  # the last good checkpoint stands
 
 

@@ -119,5 +119,9 @@ def test_builtin_workload_commands():
                         "--block-size", "64", "--out", "o.jsonl"]  # fmt: skip
     (sft,), _ = build_grid(["sft"], [65536], ["cp"], [2], [16])
     argv = point_command(sft, "o.jsonl", python="python", launcher="python")
-    assert argv == ["python", "benchmarks/bdlm_bench.py", "--mode", "cp", "--world-size", "2", "--context-len",
-                    "65536", "--block-size", "16", "--out", "o.jsonl", "--objective", "sft"]  # fmt: skip
+    assert argv == ["python", "benchmarks/bdlm_bench.py", "--modes", "cp", "--contexts", "65536",
+                    "--block-size", "16", "--out", "o.jsonl", "--objective", "sft"]  # fmt: skip
+    (drafter,), _ = build_grid(["drafter"], [65536], ["csbp"], [2], [16])
+    argv = point_command(drafter, "o.jsonl", python="python", launcher="python")
+    assert argv == ["python", "benchmarks/drafter_bench.py", "--mode", "csbp", "--world-size", "2", "--context-len",
+                    "65536", "--block-size", "16", "--out", "o.jsonl"]  # fmt: skip

@@ -55,8 +55,9 @@ ATTENTION_TEMPLATE = (
 WORKLOADS: dict[str, tuple[str, str, str]] = {
     "attention": ("benchmarks/attention_bench.py", "", ATTENTION_TEMPLATE),
     "drafter": ("benchmarks/drafter_bench.py", "", DEFAULT_TEMPLATE),
-    "sft": ("benchmarks/bdlm_bench.py", "--objective sft", DEFAULT_TEMPLATE),
-    "convert": ("benchmarks/bdlm_bench.py", "--objective convert", DEFAULT_TEMPLATE),
+    # bdlm_bench.py takes the same list flags as attention_bench.py (one value each per point)
+    "sft": ("benchmarks/bdlm_bench.py", "--objective sft", ATTENTION_TEMPLATE),
+    "convert": ("benchmarks/bdlm_bench.py", "--objective convert", ATTENTION_TEMPLATE),
 }
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 

@@ -270,6 +270,14 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, timeou
         fn(rank, world_size, *args)
         _set_watchdog(done=True)
         dist.destroy_process_group()
+        if _watchdog is not None:
+            _watchdog.stop()
+            _watchdog.join(timeout=5)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Skip interpreter teardown: destroying gloo / TCPStore threads at exit can abort the process
+        # ("terminate called without an active exception", SIGABRT) after all the work succeeded.
+        os._exit(0)
     except SystemExit as err:
         if err.code in (None, 0):
             os._exit(0)
