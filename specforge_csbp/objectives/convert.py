@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .noise import IGNORE_INDEX, BDLMBatch, block_noise_levels, check_noise_args, check_tokens
+from .noise import IGNORE_INDEX, BDLMBatch, check_noise_args, check_tokens, draw_token_masks
 
 __all__ = ["ConvertObjective"]
 
@@ -52,14 +52,7 @@ class ConvertObjective:
         )
         x0 = input_ids.cpu().long()
         eligible = eligible.cpu()
-        n, length = x0.shape
-        drawn = torch.empty(n, length, dtype=torch.bool)
-        for i, seed in enumerate(seeds):
-            gen = torch.Generator().manual_seed(int(seed))
-            t = block_noise_levels(gen, length // self.block_size, eps=self.eps, schedule=self.noise)
-            drawn[i] = torch.rand(length, generator=gen, dtype=torch.float64) < t.repeat_interleave(
-                self.block_size
-            )
+        _, drawn = draw_token_masks(seeds, x0.shape[1], self.block_size, eps=self.eps, schedule=self.noise)
         views = torch.stack([drawn & eligible, ~drawn & eligible], 1).flatten(0, 1)  # [2N, L]
         clean = x0.repeat_interleave(2, 0)
         noisy = clean.masked_fill(views, self.mask_token_id)

@@ -19,6 +19,7 @@ over the supervised rows only.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -30,6 +31,7 @@ __all__ = [
     "NOISE_SCHEDULES",
     "BDLMBatch",
     "block_noise_levels",
+    "draw_token_masks",
     "check_noise_args",
     "check_tokens",
     "sequence_seed",
@@ -63,6 +65,21 @@ def block_noise_levels(gen: torch.Generator, num_blocks: int, *, eps: float, sch
         else:
             raise ValueError(f"objective.noise must be one of {', '.join(NOISE_SCHEDULES)}; got {schedule!r}")
     return eps + (1.0 - eps) * u
+
+
+def draw_token_masks(
+    seeds: Sequence[int], length: int, block_size: int, *, eps: float, schedule: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence (one generator per seed, so the draw never depends on how work is partitioned):
+    token noise levels [N, L] (float64, the block's t) and which tokens the draw masks [N, L] (bool)."""
+    levels = torch.empty(len(seeds), length, dtype=torch.float64)
+    drawn = torch.empty(len(seeds), length, dtype=torch.bool)
+    for i, seed in enumerate(seeds):
+        gen = torch.Generator().manual_seed(int(seed))
+        t = block_noise_levels(gen, length // block_size, eps=eps, schedule=schedule)
+        levels[i] = t.repeat_interleave(block_size)
+        drawn[i] = torch.rand(length, generator=gen, dtype=torch.float64) < levels[i]
+    return levels, drawn
 
 
 def check_noise_args(*, block_size: int, mask_token_id: int, vocab_size: int, eps: float, noise: str) -> None:

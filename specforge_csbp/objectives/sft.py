@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .noise import IGNORE_INDEX, BDLMBatch, block_noise_levels, check_noise_args, check_tokens
+from .noise import IGNORE_INDEX, BDLMBatch, check_noise_args, check_tokens, draw_token_masks
 
 __all__ = ["DENOMINATORS", "WEIGHTINGS", "SFTObjective"]
 
@@ -67,14 +67,7 @@ class SFTObjective:
         )
         x0 = input_ids.cpu().long()
         eligible = eligible.cpu()
-        n, length = x0.shape
-        levels = torch.empty(n, length, dtype=torch.float64)
-        masked = torch.empty(n, length, dtype=torch.bool)
-        for i, seed in enumerate(seeds):
-            gen = torch.Generator().manual_seed(int(seed))
-            t = block_noise_levels(gen, length // self.block_size, eps=self.eps, schedule=self.noise)
-            levels[i] = t.repeat_interleave(self.block_size)
-            masked[i] = torch.rand(length, generator=gen, dtype=torch.float64) < levels[i]
+        levels, masked = draw_token_masks(seeds, x0.shape[1], self.block_size, eps=self.eps, schedule=self.noise)
         masked &= eligible
         xt = x0.masked_fill(masked, self.mask_token_id)
         labels = x0.masked_fill(~masked, IGNORE_INDEX)
