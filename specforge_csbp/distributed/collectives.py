@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommStats", "COMM_STATS", "GatherHandle", "KVGather"]
+__all__ = ["CommStats", "COMM_STATS", "GatherHandle", "KVGather", "all_gather_rows"]
 
 
 @dataclass
@@ -48,8 +48,9 @@ COMM_STATS = CommStats()
 class _Pending:
     """State shared by the start/wait nodes of one gather."""
 
-    def __init__(self, group, world: int, stats: CommStats, communicate: bool):
+    def __init__(self, group, world: int, stats: CommStats, communicate: bool, label: str = ""):
         self.group, self.world, self.stats, self.communicate = group, world, stats, communicate
+        self.label = label  # suffix of the byte counters' names
         self.work = None
         self.grad_shard: torch.Tensor | None = None
 
@@ -61,7 +62,7 @@ class _Start(torch.autograd.Function):
         out = shard.new_empty((pending.world * shard.shape[0],) + tuple(shard.shape[1:]))
         if pending.communicate:
             pending.work = dist.all_gather_into_tensor(out, shard, group=pending.group, async_op=True)
-            pending.stats.add("all_gather", shard.numel() * shard.element_size() * (pending.world - 1))
+            pending.stats.add("all_gather" + pending.label, shard.numel() * shard.element_size() * (pending.world - 1))
         else:  # benchmark control: same buffers and compute, no communication
             out.view(pending.world, *shard.shape).copy_(shard.expand(pending.world, *shard.shape))
         return out
@@ -92,7 +93,7 @@ class _Wait(torch.autograd.Function):
         shard = grad.new_empty((grad.shape[0] // pending.world,) + tuple(grad.shape[1:]))
         if pending.communicate:
             pending.work = dist.reduce_scatter_tensor(shard, grad, group=pending.group, async_op=True)
-            pending.stats.add("reduce_scatter", shard.numel() * shard.element_size() * (pending.world - 1))
+            pending.stats.add("reduce_scatter" + pending.label, shard.numel() * shard.element_size() * (pending.world - 1))
         else:
             torch.sum(grad.view(pending.world, *shard.shape), dim=0, out=shard)
         pending.grad_shard = shard
@@ -121,7 +122,7 @@ class GatherHandle:
         out = shard.new_empty((p.world * shard.shape[0],) + tuple(shard.shape[1:]))
         if p.communicate:
             dist.all_gather_into_tensor(out, shard, group=p.group)
-            p.stats.add("all_gather_backward", shard.numel() * shard.element_size() * (p.world - 1))
+            p.stats.add("all_gather_backward" + p.label, shard.numel() * shard.element_size() * (p.world - 1))
         else:
             out.view(p.world, *shard.shape).copy_(shard.expand(p.world, *shard.shape))
         return out
@@ -150,6 +151,16 @@ class GatherHandle:
 
 
 _REGATHER = object()
+
+
+def all_gather_rows(
+    t: torch.Tensor, group=None, *, stats: CommStats = COMM_STATS, communicate: bool = True, label: str = ""
+) -> torch.Tensor:
+    """Every rank's `t` stacked rank-major: [world, *t.shape]; backward reduce-scatters the gradient
+    (synchronous use of the same start/wait pair KVGather overlaps with compute)."""
+    pending = _Pending(group, dist.get_world_size(group), stats, communicate, label)
+    gathered = _Wait.apply(_Start.apply(t.contiguous(), pending), pending)
+    return gathered.view(pending.world, *t.shape)
 
 
 class KVGather:

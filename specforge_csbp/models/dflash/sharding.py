@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ...attention import merge_partials
-from ...distributed.collectives import COMM_STATS, CommStats
+from ...distributed.collectives import COMM_STATS, CommStats, all_gather_rows
 from ...layout import CLEAN, NOISY, ShardPlan, TokenSet, ZigzagShards, assign_dual_end
 from ...layout.plans import build_plans
 from ...parallel.sharded_attention import ShardedAttention
@@ -253,53 +253,19 @@ def drafter_plans(
     return plans
 
 
-class _GatherPartials(torch.autograd.Function):
-    """All-gather of a partial result (out [B, H, N, D] in its dtype, lse [B, H, N] in fp32/fp64); backward =
-    reduce-scatter of the gradients (every rank's replica of the merged output fed its own copy of the loss).
-    communicate=False (benchmark control) stands in local copies for the collectives."""
-
-    @staticmethod
-    def forward(ctx, out, lse, group, world, stats, communicate):
-        ctx.group, ctx.world, ctx.stats, ctx.communicate = group, world, stats, communicate
-        res = []
-        for t in (out.contiguous(), lse.contiguous()):
-            buf = t.new_empty((world * t.shape[0],) + tuple(t.shape[1:]))  # rank-major along dim 0
-            if communicate:
-                dist.all_gather_into_tensor(buf, t, group=group)
-                stats.add("all_gather_partials", t.numel() * t.element_size() * (world - 1))
-            else:
-                buf.view((world,) + tuple(t.shape)).copy_(t.expand((world,) + tuple(t.shape)))
-            res.append(buf.view((world,) + tuple(t.shape)))
-        return tuple(res)
-
-    @staticmethod
-    def backward(ctx, d_out, d_lse):
-        grads = []
-        for g in (d_out, d_lse):
-            shard = g.new_empty(g.shape[1:])
-            if ctx.communicate:
-                dist.reduce_scatter_tensor(shard, g.contiguous().flatten(0, 1), group=ctx.group)
-                ctx.stats.add(
-                    "reduce_scatter_partials", shard.numel() * shard.element_size() * (ctx.world - 1)
-                )
-            else:
-                torch.sum(g, dim=0, out=shard)
-            grads.append(shard)
-        return grads[0], grads[1], None, None, None, None
-
-
 class MergedAttention:
     """CP: attention of the (replicated) queries over this rank's keys, merged over the group by LSE."""
 
     def __init__(self, local: ShardedAttention, group, stats: CommStats, communicate: bool = True):
         self.local, self.group, self.stats, self.communicate = local, group, stats, communicate
-        self.world = dist.get_world_size(group)
 
     def __call__(self, q, k, v, *, scale=None):
         out, lse = self.local(q, k, v, scale=scale)
-        outs, lses = _GatherPartials.apply(out, lse, self.group, self.world, self.stats, self.communicate)
+        # every rank's partial result; backward reduce-scatters (each rank's replica fed its own loss copy)
+        gather = dict(group=self.group, stats=self.stats, communicate=self.communicate, label="_partials")
+        outs, lses = all_gather_rows(out, **gather), all_gather_rows(lse, **gather)
         out, lse = outs[0], lses[0]
-        for p in range(1, self.world):
+        for p in range(1, outs.shape[0]):
             out, lse = merge_partials(out, lse, outs[p], lses[p])
         return out, lse
 
