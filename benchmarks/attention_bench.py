@@ -30,6 +30,7 @@ from specforge_csbp.layout import bdlm_plan
 from specforge_csbp.layout.cost import attention_flops, bdlm_visible_pairs
 from specforge_csbp.masks import Visibility
 from specforge_csbp.parallel import ShardedAttention
+from specforge_csbp.parallel.sharded_attention import resolve_schedule
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -49,12 +50,15 @@ def parse_args(argv=None):
     p.add_argument("--check-context", type=int, default=4096, help="correctness check size (0: skip)")
     p.add_argument("--out", default="benchmarks/results/attention.jsonl")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run (gloo, dense backend)")
-    p.add_argument("--schedule", choices=["overlap", "fused"], default="overlap",
-                   help="our modes: overlap the gather with local attention + LSE merge, or one fused call")
+    p.add_argument("--schedule", choices=["fused", "overlap"], default=None,
+                   help="our modes: one fused call after the gather (default; overlap with --regather), "
+                   "or overlap the gather with local attention + LSE merge")
     p.add_argument("--regather", action="store_true",
                    help="our modes: free gathered K/V after forward, gather again in backward (memory)")
     p.add_argument("--profile", action="store_true", help="print the top kernels of one extra step per point")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.schedule = resolve_schedule(args.schedule, args.regather)  # the record names the one that ran
+    return args
 
 
 # --------------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ import datetime
 import gc
 import json
 import os
+import shlex
 import sys
 import time
 import traceback
@@ -190,12 +191,20 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def command_line(world: int) -> str:
+    """The command that started this run: torchrun (NCCL ranks) or python (self-spawned gloo ranks)."""
+    argv = [os.path.relpath(sys.argv[0])] + sys.argv[1:]
+    if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_WORLD_SIZE" in os.environ:
+        return shlex.join(["torchrun", "--standalone", f"--nproc-per-node={world}", *argv])
+    return shlex.join(["python", *argv])
+
+
 def run_point(
     args, model, optimizer, timer, single, mode: str, seq_len: int, device, ref_tps: dict
 ) -> dict | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     participants, group, cp_group, plan_mode, dp, cp = _layout(mode, rank, world, single)
-    command = " ".join([os.path.basename(sys.executable)] + sys.argv)
+    command = command_line(world)
     record = dict(
         workload=args.objective,
         mode=mode,
@@ -211,6 +220,7 @@ def run_point(
         activation_checkpointing=args.checkpointing,
         steps=args.steps,
         warmup=args.warmup,
+        schedule=args.schedule,
         status="ok",
     )
     if rank not in participants:
@@ -234,6 +244,7 @@ def run_point(
         param_dtype=torch.float32,
         autocast_dtype=torch.bfloat16 if args.autocast else None,
         attention_backend=args.backend,
+        attention_schedule=args.schedule,
         seed=args.seed,
         micro_batch_size=1,
         grad_accum=1,
@@ -427,6 +438,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", choices=["auto", "dense", "flex"], default="auto")
+    p.add_argument("--schedule", choices=["fused", "overlap"], default="fused",
+                   help="CSBP/CP attention: one call after the all-gather, or overlap it with local attention")
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     p.add_argument(
         "--peak-tflops", type=float, default=None, help="per-GPU peak for MFU (default: known GPUs)"

@@ -61,6 +61,7 @@ from specforge_csbp.models.dflash import (
     plan_attention,
 )
 from specforge_csbp.models.dflash.sharding import reference_attention
+from specforge_csbp.parallel.sharded_attention import resolve_schedule
 from specforge_csbp.models.dflash.step import prepare_step
 from specforge_csbp.objectives.dflash import DFlashObjective, block_targets, loss_terms, sample_anchors
 
@@ -113,6 +114,9 @@ def parse_args(argv=None):
     p.add_argument("--bucket", type=int, default=4096, help="sliding-plan row padding (static kernel shapes)")
     p.add_argument("--regather", action="store_true",
                    help="csbp: free gathered context K/V after forward, gather again in backward (memory)")
+    p.add_argument("--schedule", choices=["fused", "overlap"], default=None,
+                   help="csbp: one fused attention call after the gather (default; overlap with --regather), "
+                   "or overlap the gather with attention over the local keys")
     p.add_argument("--peak-tflops", type=float, default=781.0, help="bf16 GEMM peak per GPU for MFU")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
@@ -121,7 +125,9 @@ def parse_args(argv=None):
     )
     p.add_argument("--out", default="benchmarks/results/drafter.jsonl")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run: 2 gloo ranks, dense backend, float32")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.schedule = resolve_schedule(args.schedule, args.regather)  # the record names the one that ran
+    return args
 
 
 # -- setup ----------------------------------------------------------------------------------------------
@@ -333,7 +339,7 @@ def components(model, plan, sample, head, embed, objective, env) -> dict[str, fl
 
     out["loss_ms"] = _time(loss_step, env, 1, env.args.iters)
     attention = plan_attention(plan, group=dist.group.WORLD if plan.world_size > 1 else None, backend=env.backend,
-                               communicate=False, stats=CommStats())  # fmt: skip
+                               communicate=False, stats=CommStats(), schedule=env.args.schedule)  # fmt: skip
     for kind, spec in attention.items():
         lp = plan.layers[kind]
         q = torch.randn(
@@ -402,7 +408,7 @@ def run_ours(mode, L, N, config, model, head, embed, env, args) -> dict:
         box["res"] = drafter_step(
             model, samples, objective=objective, mode=mode, head_weight=head, embed_weight=embed, step=i,
             backend=env.backend, communicate=communicate, bucket=args.bucket, stats=stats, prepared=prepared,
-            regather=args.regather,
+            regather=args.regather, schedule=args.schedule,
         )  # fmt: skip
 
     for _ in range(args.warmup):
@@ -531,7 +537,7 @@ def run_points(args, env, points):
     for mode, L, N in points:
         base = {"workload": f"drafter-{name}", "mode": mode, "world_size": 1 if mode == "specforge" else env.world,
                     "context_len": L, "block_size": config.draft_block_size, "anchors": N, "dflash2": config.is_dflash2,
-                    "regather": args.regather,
+                    "regather": args.regather, "schedule": args.schedule,
                     "device": env.name, "date": datetime.date.today().isoformat(), "command": command_line(env)}  # fmt: skip
         try:
             if mode == "specforge":

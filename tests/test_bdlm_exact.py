@@ -87,7 +87,7 @@ def _workload(model_name: str, objective: str, clean: str) -> BDLMWorkload:
 def loss_and_grads(setup, mode: str, group) -> tuple[float, dict[str, torch.Tensor]]:
     """One step's loss and summed gradients on this rank's share (mode 'reference' when group is None)."""
     workload = _workload(*setup)
-    ctx = types.SimpleNamespace(mode=mode, cp_group=group, attention_backend="dense")
+    ctx = types.SimpleNamespace(mode=mode, cp_group=group, attention_backend="dense", attention_schedule=None)
     model = workload.build_model(ctx)
     batch = workload.microbatch(range(SEQS), [11, 22, 33], torch.device("cpu"))
     denom = global_denominator([batch], group) if group is not None else torch.tensor(batch.denominator)

@@ -92,14 +92,14 @@ def _regather_worker(rank, world, out_dir):
     from specforge_csbp.parallel import ShardedAttention
 
     alive = {}
-    for regather in (False, True):
+    for schedule, regather in (("overlap", False), ("overlap", True), ("fused", False)):
         plan = bdlm_plan("csbp", 32, 4, world)[rank]
-        attn = ShardedAttention(plan, 4, regather=regather)
+        attn = ShardedAttention(plan, 4, regather=regather, schedule=schedule)
         q = torch.randn(1, 2, len(plan.q_rows), 8, dtype=torch.float64, requires_grad=True)
         k, v = (torch.randn(1, 2, len(plan.kv_rows), 8, dtype=torch.float64, requires_grad=True) for _ in "kv")
         out, lse = attn(q, k, v)
         gc.collect()
-        alive[str(regather)] = attn.last_gather.buffer() is not None
+        alive[f"{schedule}-{regather}"] = attn.last_gather.buffer() is not None
         out.sum().backward()  # still runs (and re-gathers) after the buffer is gone
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
         json.dump(alive, f)
@@ -108,4 +108,18 @@ def _regather_worker(rank, world, out_dir):
 def test_regather_frees_the_gathered_kv_after_forward(tmp_path):
     spawn(_regather_worker, 2, str(tmp_path))
     for rank in range(2):
-        assert json.loads((tmp_path / f"{rank}.json").read_text()) == {"False": True, "True": False}
+        # overlap keeps the gathered buffer for backward unless it re-gathers; fused keeps the concatenation
+        assert json.loads((tmp_path / f"{rank}.json").read_text()) == {
+            "overlap-False": True, "overlap-True": False, "fused-False": False
+        }
+
+
+def test_schedule_choice_and_its_errors():
+    from specforge_csbp.parallel.sharded_attention import resolve_schedule
+
+    assert resolve_schedule(None) == "fused" and resolve_schedule(None, regather=True) == "overlap"
+    assert resolve_schedule("overlap") == "overlap"
+    with pytest.raises(ValueError, match="^schedule must be one of fused, overlap; got 'ring'$"):
+        resolve_schedule("ring")
+    with pytest.raises(ValueError, match="^regather needs schedule 'overlap'"):
+        resolve_schedule("fused", regather=True)

@@ -72,7 +72,7 @@ def _bdlm(kind: str, mode: str, group) -> tuple[float, dict[str, torch.Tensor]]:
     objective = SFTObjective(BLOCK, MASK, VOCAB) if kind == "sft" else ConvertObjective(BLOCK, MASK, VOCAB)
     source = types.SimpleNamespace(get=lambda idx: (ids[list(idx)], mask[list(idx)]))
     workload = BDLMWorkload(make_model=make, objective=objective, source=source, seq_len=L)
-    model = workload.build_model(types.SimpleNamespace(mode=mode, cp_group=group, attention_backend="dense"))
+    model = workload.build_model(types.SimpleNamespace(mode=mode, cp_group=group, attention_backend="dense", attention_schedule=None))
     batch = workload.microbatch([0, 1], [5, 6], torch.device("cpu"))
     denom = global_denominator([batch], group) if group is not None else torch.tensor(batch.denominator)
     numerator = workload.loss_numerator(model, batch)

@@ -37,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=list(DTYPES), default="float64")
     p.add_argument("--clean-within-block", choices=CLEAN_RULES, default="causal")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--schedule", choices=SCHEDULES, default="overlap", help="overlap the gather, or one fused call")
+    p.add_argument("--schedule", choices=SCHEDULES, default="fused",
+                   help="one fused call after the gather (default), or overlap the gather with local attention")
     p.set_defaults(func=run)
 
 

@@ -36,7 +36,7 @@ class CheckCase:
     clean_within_block: str = "causal"
     batch: int = 1
     seed: int = 0
-    schedule: str = "overlap"
+    schedule: str | None = None  # None: the executor's default (fused; overlap when regather)
     regather: bool = False
 
     def validate(self, world_size: int) -> None:

@@ -42,6 +42,11 @@ class ParallelConfig(Section):
     dp_degree: int | None = Field(None, ge=1)
     world_size: int = Field(1, ge=1, description="ranks to self-spawn (gloo, CPU); ignored under torchrun")
     attention_backend: Literal["auto", "dense", "flex"] = "auto"
+    attention_schedule: Literal["fused", "overlap"] = Field(
+        "fused",
+        description="CSBP/CP: one attention call after the clean K/V all-gather (fused), or overlap the "
+        "gather with attention over local keys and merge (overlap); docs/performance.md has the measurement",
+    )  # fmt: skip
     timeout_s: float = Field(
         1800.0, gt=0,
         description="fail fast: a rank blocked this long in a collective that another rank does not join "

@@ -44,6 +44,7 @@ class TrainContext:
     seed: int
     micro_batch_size: int
     grad_accum: int
+    attention_schedule: str | None = None  # ShardedAttention's schedule (None: its default, fused)
 
     @property
     def is_main(self) -> bool:
@@ -89,5 +90,6 @@ def build_context(train: TrainConfig, parallel: ParallelConfig) -> TrainContext:
         cp_rank=mesh.get_local_rank("cp"), cp_size=cp, mode=parallel.mode if cp > 1 else "reference",
         mesh=mesh, cp_group=mesh.get_group("cp"), dp_group=mesh.get_group("dp"), device=device,
         param_dtype=param_dtype, autocast_dtype=autocast_dtype, attention_backend=parallel.attention_backend,
+        attention_schedule=parallel.attention_schedule,
         seed=train.seed, micro_batch_size=train.micro_batch_size, grad_accum=train.grad_accum,
     )  # fmt: skip

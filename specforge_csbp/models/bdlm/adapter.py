@@ -48,7 +48,13 @@ class BDLMModel(nn.Module):
     """A causal LM (`lm`, e.g. Qwen3ForCausalLM) whose attention follows the BDLM visibility rule."""
 
     def __init__(
-        self, lm: nn.Module, *, block_size: int, clean_within_block: str = "causal", backend: str = "auto"
+        self,
+        lm: nn.Module,
+        *,
+        block_size: int,
+        clean_within_block: str = "causal",
+        backend: str = "auto",
+        schedule: str | None = None,
     ):
         super().__init__()
         if block_size < 1:
@@ -65,6 +71,7 @@ class BDLMModel(nn.Module):
         self.block_size = block_size
         self.clean_within_block = clean_within_block
         self.backend = backend
+        self.schedule = schedule  # ShardedAttention's (None: fused)
         self._attention: dict[Any, ShardedAttention] = {}
         self._seq_lens: weakref.WeakKeyDictionary[ShardedAttention, int] = weakref.WeakKeyDictionary()
 
@@ -122,11 +129,11 @@ class BDLMModel(nn.Module):
     ) -> ShardedAttention:
         """This rank's executor for sequences of `seq_len` clean tokens (cached: masks are built once).
         `communicate=False` is the benchmarks' control: same buffers and compute, no collectives."""
-        key = (mode, seq_len, group, self.backend, communicate)
+        key = (mode, seq_len, group, self.backend, self.schedule, communicate)
         if key not in self._attention:
             self._attention[key] = bdlm_attention(
                 mode, seq_len, self.block_size, group=group, clean_within_block=self.clean_within_block,
-                backend=self.backend, communicate=communicate,
+                backend=self.backend, communicate=communicate, schedule=self.schedule,
             )  # fmt: skip
             self._seq_lens[self._attention[key]] = seq_len
         return self._attention[key]

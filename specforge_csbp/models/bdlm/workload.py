@@ -98,7 +98,7 @@ class BDLMWorkload:
                 f"objective.mask_token_id must be in [0, {model.vocab_size}) (the vocab); "
                 f"got {self.objective.mask_token_id}"
             )
-        model.backend = ctx.attention_backend
+        model.backend, model.schedule = ctx.attention_backend, ctx.attention_schedule
         self.bind(model, ctx)
         return model
 

@@ -49,6 +49,7 @@ __all__ = [
     "LayerPlan",
     "MergedAttention",
     "anchor_costs",
+    "own_anchor_runs",
     "drafter_plans",
     "plan_attention",
     "reference_attention",
@@ -112,6 +113,43 @@ def anchor_costs(anchors: torch.Tensor, config: DFlashConfig) -> list[float]:
     for kind in config.layer_types:
         keys += a if kind == "full_attention" else a.clamp(max=float(config.sliding_window - 1))
     return (keys * per_key + local).tolist()
+
+
+#: query rows of one FlexAttention tile: anchors are owned in runs that fill whole tiles
+Q_TILE_ROWS = 128
+#: load imbalance accepted for tile-filling runs, relative to owning single anchors (see own_anchor_runs)
+RUN_LOAD_SLACK = 0.01
+
+
+def own_anchor_runs(anchors: torch.Tensor, config: DFlashConfig, world_size: int) -> list[torch.Tensor]:
+    """CSBP ownership: runs of consecutive anchors, placed on ranks by `assign_dual_end` over run costs.
+
+    A rank's draft blocks are its query rows, Q_TILE_ROWS / S blocks to a kernel tile. Owning single anchors
+    (heaviest with lightest) gives each tile every P-th anchor, so the tile's blocks - and, in sliding-window
+    layers, their windows - lie P times further apart than in CP's tiles, which hold consecutive anchors:
+    more partially filled tiles for the same pairs (tests/test_dflash_tiles.py). Runs of consecutive anchors
+    fill a tile, and dual-end pairing of runs keeps the prefix costs balanced:
+
+        anchors (sorted):  a0 a1 | a2 a3 | a4 a5 | a6 a7      runs of 2, P = 2
+        pairs of runs:     (r0, r3) -> rank 0   (r1, r2) -> rank 1
+
+    Coarser units can balance worse (few anchors per rank, P not dividing the runs): the longest run
+    (tile-filling, halved down to 1) whose maximum rank load stays within RUN_LOAD_SLACK of single-anchor
+    ownership's is used - the step waits for the most loaded rank, so that 1% is all tile filling may cost.
+    """
+    N, P = anchors.numel(), world_size
+    costs = anchor_costs(anchors, config)
+    singles = assign_dual_end(costs, P, what="anchors")  # also the one-line error when N < P
+    order = torch.argsort(anchors, stable=True)
+    run = max(1, Q_TILE_ROWS // config.draft_block_size)
+    while run > 1:
+        if N >= 2 * P * run:
+            runs = [order[i : i + run] for i in range(0, N, run)]
+            placed = assign_dual_end([sum(costs[int(i)] for i in r) for r in runs], P, what="anchors")
+            if max(placed.loads) <= max(singles.loads) * (1 + RUN_LOAD_SLACK):
+                return [torch.sort(torch.cat([runs[u] for u in units])).values for units in placed.items]
+        run //= 2
+    return [torch.tensor(items, dtype=torch.long) for items in singles.items]
 
 
 def _block_tokens(anchors: torch.Tensor, idx: torch.Tensor, S: int) -> TokenSet:
@@ -183,10 +221,7 @@ def drafter_plans(
         )
     everything = torch.arange(N)
     if mode == "csbp":
-        owned = [
-            torch.tensor(o, dtype=torch.long)
-            for o in assign_dual_end(anchor_costs(anchors, config), P, what="anchors").items
-        ]
+        owned = own_anchor_runs(anchors, config, P)
     else:
         owned = [everything] * P
     ctx_pos, intervals = _context_shards(L, P)
@@ -278,15 +313,17 @@ def plan_attention(
     communicate: bool = True,
     stats: CommStats = COMM_STATS,
     regather: bool = False,
+    schedule: str | None = None,
 ) -> dict[str, LayerAttention]:
     """The model's `attention` argument for this rank's plan (one executor per layer type).
-    `regather`: free each layer's gathered context K/V after forward and gather it again in backward."""
+    `regather`: free each layer's gathered context K/V after forward and gather it again in backward.
+    `schedule`: ShardedAttention's ("fused" by default, "overlap" when regather)."""
     out = {}
     for kind, lp in plan.layers.items():
         attn = ShardedAttention(
             lp.shard, plan.block_size, window=lp.window, noisy_causal=lp.noisy_causal,
             group=group if plan.world_size > 1 else None, backend=backend, communicate=communicate, stats=stats,
-            regather=regather,
+            regather=regather, schedule=schedule,
         )  # fmt: skip
         if lp.merge:
             attn = MergedAttention(attn, group, stats, communicate)
