@@ -5,6 +5,7 @@ Block masks are cached on the Visibility object, so a plan built once per step s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -12,7 +13,14 @@ import torch
 from ..layout.tokens import TokenSet
 from ..masks.visibility import Visibility, visible
 
-__all__ = ["flex_attention_partial", "flex_available"]
+__all__ = [
+    "block_mask_for",
+    "block_mask_from_status",
+    "flex_attention_partial",
+    "flex_available",
+    "tile_status",
+    "tile_visits",
+]
 
 
 def flex_available() -> bool:
@@ -39,40 +47,47 @@ def _padded(tokens: TokenSet, length: int, device) -> TokenSet:
     return tokens.padded(length).to(device)
 
 
-def block_mask_for(vis: Visibility, device: torch.device, *, tile: int = 128, budget: int = 1 << 27):
-    """BlockMask of `vis` built chunk by chunk from the same rule, never materialising [Nq, Nk].
+def tile_status(
+    vis: Visibility, device: torch.device, *, q_tile: int = 128, kv_tile: int = 128, budget: int = 1 << 27
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(any, all) bool [n_q_tiles, n_kv_tiles]: does some / every (query, key) pair of a tile see each other.
 
-    `create_block_mask` evaluates the mask over the whole [Nq, Nk] grid at once (69 GB at 2 x 128K tokens);
-    here at most `budget` elements of it exist at a time. Each (q tile, kv tile) is classified empty,
-    partial (mask_mod applied inside the kernel) or full (no mask_mod), exactly as create_block_mask does.
-    The token sets are padded with PAD rows to whole tiles so the kernel's lookups stay in bounds.
+    Built chunk by chunk from the rule, never materialising [Nq, Nk]: at most `budget` elements exist at a
+    time. The token sets are padded with PAD rows to whole tiles; PAD rows/columns see nothing, so a tile
+    holding padding is never "all" (the kernel then applies mask_mod there, like create_block_mask's edge
+    tiles). `q_tile` may be smaller than the kernel's tile: GQA packing (packing.py) reads the tile status
+    of its packed rows from chunks of original rows, and the unpacked status is the OR/AND over chunks.
     """
-    key = ("block_mask", str(device), tile)
-    if key in vis._cache:
-        return vis._cache[key]
-    from torch.nn.attention.flex_attention import BlockMask
-
     nq, nk = len(vis.q), len(vis.k)
-    n_qt, n_kt = -(-nq // tile), -(-nk // tile)
-    q, k = _padded(vis.q, n_qt * tile, device), _padded(vis.k, n_kt * tile, device)
-    padded_vis = Visibility(q, k, vis.block_size, vis.clean_within_block, vis.window, vis.noisy_causal)
-    status = torch.empty(n_qt, n_kt, dtype=torch.int8, device=device)  # 0 empty, 1 partial, 2 full
-    rows_per_chunk = max(1, budget // (tile * n_kt * tile))
+    n_qt, n_kt = -(-nq // q_tile), -(-nk // kv_tile)
+    q, k = _padded(vis.q, n_qt * q_tile, device), _padded(vis.k, n_kt * kv_tile, device)
+    any_visible = torch.empty(n_qt, n_kt, dtype=torch.bool, device=device)
+    all_visible = torch.empty(n_qt, n_kt, dtype=torch.bool, device=device)
+    rows_per_chunk = max(1, budget // (q_tile * n_kt * kv_tile))
     for lo in range(0, n_qt, rows_per_chunk):
         hi = min(lo + rows_per_chunk, n_qt)
-        rows = slice(lo * tile, hi * tile)
+        rows = slice(lo * q_tile, hi * q_tile)
         dense = visible(
             q.pos[rows, None], q.kind[rows, None], q.block[rows, None], q.start[rows, None],
             k.pos[None, :], k.kind[None, :], k.block[None, :], vis.block_size, vis.bidirectional,
             vis.window, vis.noisy_causal,
-        ).view(hi - lo, tile, n_kt, tile)  # fmt: skip
-        # Padding rows/columns are PAD and see nothing, so a tile holding padding is never "full": it stays
-        # partial and the kernel applies mask_mod there (conservative, like create_block_mask's edge tiles).
-        any_visible = dense.any(dim=3).any(dim=1)
-        all_visible = dense.all(dim=3).all(dim=1)
-        status[lo:hi] = torch.where(all_visible, 2, torch.where(any_visible, 1, 0)).to(torch.int8)
+        ).view(hi - lo, q_tile, n_kt, kv_tile)  # fmt: skip
+        any_visible[lo:hi] = dense.any(dim=3).any(dim=1)
+        all_visible[lo:hi] = dense.all(dim=3).all(dim=1)
         del dense
-    partial, full = status == 1, status == 2
+    return any_visible, all_visible
+
+
+def block_mask_from_status(vis: Visibility, any_visible, all_visible, device: torch.device, *, tile: int = 128):
+    """BlockMask of `vis` from its (any, all) tile status: empty, partial (mask_mod applied inside the
+    kernel) or full (no mask_mod) - exactly the classification create_block_mask makes."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n_qt, n_kt = any_visible.shape
+    q, k = _padded(vis.q, n_qt * tile, device), _padded(vis.k, n_kt * tile, device)
+    padded_vis = dataclasses.replace(vis, q=q, k=k, _cache={})
+    full = all_visible & any_visible
+    partial = any_visible & ~full
 
     def blocks(selected):
         counts = selected.sum(-1, dtype=torch.int32)
@@ -81,12 +96,28 @@ def block_mask_for(vis: Visibility, device: torch.device, *, tile: int = 128, bu
 
     kv_num, kv_idx = blocks(partial)
     full_num, full_idx = blocks(full)
-    block_mask = BlockMask.from_kv_blocks(
+    return BlockMask.from_kv_blocks(
         kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile, mask_mod=padded_vis.mask_mod(device),
-        seq_lengths=(nq, nk),
+        seq_lengths=(len(vis.q), len(vis.k)),
     )  # fmt: skip
-    vis._cache[key] = block_mask
-    return block_mask
+
+
+def block_mask_for(vis: Visibility, device: torch.device, *, tile: int = 128, budget: int = 1 << 27):
+    """BlockMask of `vis` built chunk by chunk from the same rule, never materialising [Nq, Nk].
+
+    `create_block_mask` evaluates the mask over the whole [Nq, Nk] grid at once (69 GB at 2 x 128K tokens);
+    here at most `budget` elements of it exist at a time (`tile_status`). Cached on `vis`.
+    """
+    key = ("block_mask", str(device), tile)
+    if key not in vis._cache:
+        status = tile_status(vis, device, q_tile=tile, kv_tile=tile, budget=budget)
+        vis._cache[key] = block_mask_from_status(vis, *status, device, tile=tile)
+    return vis._cache[key]
+
+
+def tile_visits(block_mask) -> int:
+    """128x128 tiles one head of the kernel visits (partial + full), summed over the mask's heads."""
+    return int(block_mask.kv_num_blocks.sum()) + int(block_mask.full_kv_num_blocks.sum())
 
 
 def flex_attention_partial(q, k, v, vis: Visibility, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,6 +3,11 @@
 Every mode (reference, CP, BP, CSBP, DFlash drafters) calls only this function; backends differ in speed,
 never in the function computed. Shapes follow SDPA: q [B, H, Nq, D], k/v [B, Hk, Nk, D] with H % Hk == 0
 (GQA); out has q's dtype, lse is fp32 (fp64 for fp64 inputs) and is -inf on rows that see no key.
+
+GQA head packing (`packing.py`) is a layout transform of the same computation: the G query heads of a kv
+head are packed into rows so FlexAttention's 128-row query tiles hold fewer distinct visibility patterns.
+`pack_gqa=None` packs on the flex backend when G > 1 and the block masks say the kernel visits fewer tiles
+x heads that way (decided once per Visibility object); dense packs only when asked (`pack_gqa=True`).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import torch
 
 from ..masks.visibility import Visibility
 from .dense import dense_attention
+from .packing import pack_q, packed_visibility, should_pack, tile_counts, unpack
 
 __all__ = ["BACKENDS", "partial_attention", "check_qkv"]
 
@@ -42,7 +48,9 @@ def partial_attention(
     *,
     scale: float | None = None,
     backend: str = "auto",
+    pack_gqa: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q's rows over k/v's rows where `vis` allows: (out, lse). See the module docstring."""
     check_qkv(q, k, v)
     if q.shape[2] != len(vis.q) or k.shape[2] != len(vis.k):
         raise ValueError(
@@ -51,9 +59,24 @@ def partial_attention(
         )
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    if pack_gqa not in (None, True, False):
+        raise ValueError(f"pack_gqa must be one of None, True, False; got {pack_gqa!r}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if backend == "auto":
         backend = "flex" if q.is_cuda else "dense"
+    groups = q.shape[1] // k.shape[1]
+    if pack_gqa is None:
+        pack_gqa = backend == "flex" and should_pack(vis, groups, q.device)
+    if pack_gqa:
+        packed = packed_visibility(vis, groups)
+        if backend == "flex":  # both block masks from one pass over chunks of rows (cached on vis)
+            tile_counts(vis, groups, q.device)
+        out, lse = _attend(pack_q(q, k.shape[1], packed.chunk), k, v, packed.vis, scale, backend)
+        return unpack(out, groups, packed.chunk, packed.rows), unpack(lse, groups, packed.chunk, packed.rows)
+    return _attend(q, k, v, vis, scale, backend)
+
+
+def _attend(q, k, v, vis: Visibility, scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     if backend == "flex":
         from .flex import flex_attention_partial
 

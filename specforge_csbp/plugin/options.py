@@ -8,6 +8,7 @@
       cp_size: 2                            <-   --cp-size 2      or  csbp.cp_size=2
       dp_replicas: 1                        <-   --dp-replicas 1  or  csbp.dp_replicas=1
       mode: csbp      # csbp | cp (the conventional context-parallel baseline)
+      regather: false # true: re-gather context K/V in backward (memory at 512K-1M)
 
 SpecForge's schema forbids unknown fields, so the `csbp:` section is taken out of the file before SpecForge
 validates the rest, and `csbp.*` overrides are applied here. World size = deployment.trainer.nnodes x
@@ -20,7 +21,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 __all__ = [
     "CSBP_OF",
@@ -59,6 +60,23 @@ class CSBPOptions(BaseModel):
         default=0, ge=0, description="steps over which the selector weight ramps"
     )
     bucket: int = Field(default=1, ge=1, description="pad planned row counts to a multiple (static shapes)")
+    attention_schedule: Literal["fused", "overlap"] | None = Field(
+        default=None,
+        description="context attention after the all-gather in one call (fused), or overlapped with attention "
+        "over local rows (overlap); default fused, overlap when regather",
+    )
+    regather: bool = Field(
+        default=False,
+        description="free each layer's gathered context K/V after forward and gather it again in backward "
+        "(less memory at 512K-1M tokens, one more all-gather per layer)",
+    )
+
+    @field_validator("regather")
+    @classmethod
+    def _regather_needs_overlap(cls, regather: bool, info: ValidationInfo) -> bool:
+        if regather and info.data.get("attention_schedule") == "fused":
+            raise ValueError("needs csbp.attention_schedule: overlap (the fused schedule keeps the concatenated K/V)")
+        return regather
 
 
 @dataclass(frozen=True)

@@ -211,7 +211,7 @@ def build_training_model(
         draft_model, embed, head, store_path=path,
         objective=objective_for(cfg, options, int(draft_model.block_size)),
         mode=mode, max_len=cfg.data.max_length, attention_backend=cfg.training.attention_backend,
-        bucket=options.bucket,
+        bucket=options.bucket, schedule=options.attention_schedule, regather=options.regather,
     ).to(device=_device())  # fmt: skip
     return AlgorithmModelParts(model=model, capture_layers=ids)
 

@@ -56,6 +56,8 @@ class CSBPDrafterTrainingModel(nn.Module):
         max_len: int,
         attention_backend: str = "sdpa",
         bucket: int = 1,
+        schedule: str | None = None,
+        regather: bool = False,
     ) -> None:
         super().__init__()
         self.draft_model = draft_model
@@ -65,6 +67,7 @@ class CSBPDrafterTrainingModel(nn.Module):
         self.store_path, self.objective, self.mode, self.max_len = store_path, objective, mode, int(max_len)
         self.backend = BACKENDS.get(attention_backend, "auto")
         self.bucket = int(bucket)
+        self.schedule, self.regather = schedule, bool(regather)  # ShardedAttention's (None: fused)
         self._store = None
         self.last_stats: dict[str, float] = {}
 
@@ -113,7 +116,9 @@ class CSBPDrafterTrainingModel(nn.Module):
             input_ids, loss_mask, lambda lo, hi: self.store.read_intervals(entry.id, [(lo, hi)])
         )
         features = load_context(sample, plan.ctx_intervals, device, dtype, draft.fc.in_features)
-        attention = plan_attention(plan, group=groups.cp_group, backend=self.backend)
+        attention = plan_attention(
+            plan, group=groups.cp_group, backend=self.backend, schedule=self.schedule, regather=self.regather
+        )
         owned = plan.owned_anchors
         blocks = block_targets(input_ids, loss_mask, owned, S, int(draft.mask_token_id))
         noise = self.embed_tokens(blocks.draft_ids.reshape(-1).to(device)).to(dtype)[None]
