@@ -85,6 +85,9 @@ def test_flags_fields_and_overrides_resolve_to_the_same_layout(tmp_path):
         4,
         "locality",
     )
+    memory = prepare_run(_write(tmp_path), ["csbp.regather=true"], csbp=True)
+    assert (memory.options.regather, memory.options.attention_schedule) == (True, None)  # overlap, implied
+    assert prepare_run(_write(tmp_path), [], csbp=True).options.regather is False
 
 
 def test_rank_sets_cp_fastest():
