@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Regenerate docs/benchmarks.md and docs/img/*.png from benchmarks/results/ (same as `specforge-csbp report`).
 
-Runs from the repository root whatever the current directory, so paths given are relative to the root:
+Runs from the repository root whatever the current directory, so paths given are relative to the root.
+Without --predict it puts the planner's predictions (calibrated 2x H200 profile, benchmarks/configs/)
+beside the measured records:
 
     python scripts/render_benchmarks.py [--results benchmarks/results] [--out docs/benchmarks.md] [--csv F]
 """
@@ -14,6 +16,17 @@ sys.path.insert(0, ROOT)
 
 from specforge_csbp.cli.main import main
 
+#: the planner's prediction beside every measured record of these workloads (issue 6)
+PREDICT = [
+    "--predict",
+    "drafter-qwen3.6-27b=benchmarks/configs/drafter-qwen3.6-27b.json",
+    "drafter-qwen3-8b=benchmarks/configs/drafter-qwen3-8b.json",
+    "sft=benchmarks/configs/qwen3-1.7b.json",
+    "--profile",
+    "h200x2-2026-11-29",
+]
+
 if __name__ == "__main__":
     os.chdir(ROOT)
-    sys.exit(main(["report", *sys.argv[1:]]))
+    argv = sys.argv[1:]
+    sys.exit(main(["report", *argv, *([] if "--predict" in argv else PREDICT)]))

@@ -111,12 +111,15 @@ def test_calibrate_on_cpu_and_plan_with_it(files, capsys):
     prof = calibrate(1)
     assert prof.measured and prof.world_size == 1 and prof.gemm_tflops > 0 and prof.attn_tflops > 0
     assert prof.allgather_gbps is None and prof.attention_backend == "dense"
+    work = ("layer_tflops", "loss_tflops", "loss_topk_tflops", "adamw_gbps")  # planner/rates.py, toy sizes
+    assert all(getattr(prof, k) > 0 for k in work) and prof.calibration_s > 0
     with pytest.raises(ValueError, match="allgather_gbps was not measured"):
         predict(load_shape(LM), "sft", 4096, Layout(1, 2, "csbp"), prof, 80)
     out = files / "cpu2.json"
     assert main(["plan", "--calibrate", "--world-size", "2", "--profile-out", str(out)]) == 0
     prof2 = load_profile(out)
     assert prof2.world_size == 2 and prof2.allgather_gbps > 0 and prof2.reduce_scatter_gbps > 0
+    assert all(getattr(prof2, k) > 0 for k in work)
     assert "calibrated: cpu" in capsys.readouterr().out
     assert main(["plan", "--model", str(files / "lm.json"), "--context", "2K", "--gpus", "2", "--profile",
                  str(out), "--no-scaling"]) == 0  # fmt: skip

@@ -78,6 +78,8 @@ def format_plan(shape: ModelShape, workload: str, context: int, gpus: int, gpu_m
             continue
         b = p.breakdown_ms
         parts = " / ".join(f"{b[k]:.1f}" for k in ("gemm", "attention", "loss", "exposed_comm"))
+        if b.get("optimizer"):  # only with a profile that measured the AdamW rate
+            parts += f" (+ optimizer {b['optimizer']:.1f})"
         mark = "<- recommended" if rec is not None and p.layout == rec.layout else (p.reason if not p.fits else "")
         lines.append(f"{p.layout.label:<16} {p.step_ms:>10.1f} {p.tokens_per_s:>12,.0f} {p.peak_gib:>9.2f}  "
                      f"{'yes' if p.fits else 'no':<4}  {parts}  {mark}".rstrip())  # fmt: skip

@@ -1,8 +1,8 @@
 """Step time, tokens/s and peak memory of one layout (DP x CP degree x mode), from exact per-rank work.
 
-    step = max over ranks of (GEMM FLOPs / GEMM rate + attention FLOPs / attention rate
-                              + loss FLOPs / GEMM rate + exposed attention communication)
-           + launch overhead + exposed gradient all-reduce
+    step = max over ranks of (token-wise FLOPs / token rate + attention FLOPs / attention rate
+                              + loss FLOPs / loss rate + exposed attention communication)
+           + launch overhead + exposed gradient all-reduce + optimizer step
 
 FLOP counts (multiply-add = 2; training = forward 1 + backward 2, attention backward 2.5, and one more
 forward per recomputed layer under activation checkpointing):
@@ -11,6 +11,14 @@ forward per recomputed layer under activation checkpointing):
     attention   visible pairs x 4 H D per layer                   (pairs: pairs.py, exact for the layout)
     loss        supervised rows x 2 h V                           (chunked CE: forward, recompute, grads)
     drafter     + fc over the rank's context rows (F x h_t -> h), + context K/V projections per layer
+
+Rates (profile.py; each optional rate falls back to the GEMM rate, so older profiles predict as before):
+
+    token rate      layer_tflops: a whole eager decoder layer (GEMMs + norms, RoPE, SwiGLU) - GEMMs,
+                    drafter fc and context K/V projections
+    attention rate  attn_tflops
+    loss rate       loss_tflops (trainable head: BDLM) / loss_topk_tflops (frozen head + top-k: drafter)
+    optimizer       trainable params x 28 bytes / adamw_gbps (Options.optimizer_step; none without a rate)
 
 Communication per layer (bytes / measured bandwidth; ring: a rank sends (P-1) segments):
 
@@ -30,6 +38,7 @@ from dataclasses import dataclass, field
 from .memory import MemoryBreakdown, bdlm_step_memory, drafter_step_memory
 from .pairs import bdlm_rank_stats, drafter_rank_stats
 from .profile import MachineProfile
+from .rates import ADAMW_BYTES_PER_PARAM
 from .shapes import ModelShape
 
 __all__ = ["WORKLOADS", "Layout", "Options", "Prediction", "predict"]
@@ -63,6 +72,8 @@ class Options:
     ce_chunk: int = 4096  # rows per chunk of the linear cross-entropy
     clean_within_block: str = "causal"
     sft_mask_fraction: float = 0.5  # E[t]: share of tokens masked (supervised) per SFT view
+    autocast: bool | None = None  # fp32 weights + bf16 autocast (fp32 residual stream); default: on for BDLMs
+    optimizer_step: bool = True  # an AdamW step per training step (costed only with a measured adamw_gbps)
 
 
 @dataclass
@@ -90,7 +101,8 @@ def _bdlm(shape, workload, context, layout, profile, opt) -> Prediction:
     ckpt = True if opt.checkpointing is None else opt.checkpointing
     stats = bdlm_rank_stats("dp" if layout.mode == "dp" else layout.mode, context, S, P, opt.clean_within_block)
     e = profile.elem_bytes
-    gemm, attn = profile.gemm_tflops * 1e12, profile.attn_tflops * 1e12
+    gemm, attn = profile.token_tflops * 1e12, profile.attn_tflops * 1e12
+    loss_rate = profile.loss_rate_tflops(frozen_head_topk=False) * 1e12
     fpp = shape.attention_flops_per_pair()
     kv_row = 2 * shape.kv_heads * shape.head_dim * e
     nl = shape.layers
@@ -99,7 +111,7 @@ def _bdlm(shape, workload, context, layout, profile, opt) -> Prediction:
         g = views * s.q_rows * nl * shape.layer_gemm_flops_per_row() * (3 + ckpt) / gemm
         a = views * s.pairs * nl * fpp * (3.5 + ckpt) / attn
         sup = views * s.noisy_rows * (opt.sft_mask_fraction if workload == "sft" else 0.5)
-        loss = sup * 2 * shape.hidden * shape.vocab * 4 / gemm
+        loss = sup * 2 * shape.hidden * shape.vocab * 4 / loss_rate
         exposed = 0.0
         if s.gathered_rows:
             nbytes = (s.world - 1) * s.gather_width * kv_row
@@ -112,12 +124,13 @@ def _bdlm(shape, workload, context, layout, profile, opt) -> Prediction:
     compute_s, parts = per_rank[worst]
     mem = max(
         (bdlm_step_memory(shape, s, views=views, elem_bytes=e, state_bytes=opt.state_bytes_per_param,
-                          checkpointing=ckpt, ce_chunk=opt.ce_chunk, reserved_gib=profile.reserved_gib)
+                          checkpointing=ckpt, ce_chunk=opt.ce_chunk, reserved_gib=profile.reserved_gib,
+                          residual_bytes=4 if (True if opt.autocast is None else opt.autocast) else e)
          for s in stats),
         key=lambda m: m.total,
     )  # fmt: skip
     supervised = context * (opt.sft_mask_fraction if workload == "sft" else 1.0)
-    return _finish(shape, layout, profile, compute_s, parts, mem, supervised, nl)
+    return _finish(shape, layout, profile, opt, compute_s, parts, mem, supervised, nl)
 
 
 def _drafter(shape, context, layout, profile, opt) -> Prediction:
@@ -126,7 +139,8 @@ def _drafter(shape, context, layout, profile, opt) -> Prediction:
     windows = sorted(set(shape.windows), key=lambda w: (w is not None, w or 0))
     per_window = {w: drafter_rank_stats(mode, context, N, S, P, w) for w in windows}
     e = profile.elem_bytes
-    gemm, attn = profile.gemm_tflops * 1e12, profile.attn_tflops * 1e12
+    gemm, attn = profile.token_tflops * 1e12, profile.attn_tflops * 1e12
+    loss_rate = profile.loss_rate_tflops(frozen_head_topk=True) * 1e12
     fpp = shape.attention_flops_per_pair()
     kv_row = 2 * shape.kv_heads * shape.head_dim * e
     ranks = len(next(iter(per_window.values())))
@@ -152,7 +166,7 @@ def _drafter(shape, context, layout, profile, opt) -> Prediction:
             elif mode == "cp" and P > 1:  # all-gather of every block row's partial (out, lse)
                 nbytes = (P - 1) * block_rows * shape.heads * (shape.head_dim * e + 4)
                 exposed += nbytes / profile.bandwidth("allgather", P)
-        loss = st[windows[0]].anchors * (S - 1) * 2 * shape.hidden * shape.vocab * 3 / gemm
+        loss = st[windows[0]].anchors * (S - 1) * 2 * shape.hidden * shape.vocab * 3 / loss_rate
         per_rank.append((fc + kvp + blocks + a + loss + exposed,
                          {"gemm": fc + kvp + blocks, "attention": a, "loss": loss, "exposed_comm": exposed}))  # fmt: skip
     worst = max(range(ranks), key=lambda r: (per_rank[r][0], -r))
@@ -163,17 +177,28 @@ def _drafter(shape, context, layout, profile, opt) -> Prediction:
                              reserved_gib=profile.reserved_gib) for r in range(ranks)),
         key=lambda m: m.total,
     )  # fmt: skip
-    return _finish(shape, layout, profile, compute_s, parts, mem, N * (S - 1), shape.layers)
+    return _finish(shape, layout, profile, opt, compute_s, parts, mem, N * (S - 1), shape.layers)
 
 
-def _finish(shape, layout, profile, compute_s, parts, mem, supervised, layers) -> Prediction:
+def _optimizer_s(shape: ModelShape, profile: MachineProfile, opt: Options) -> float | None:
+    """Seconds of one AdamW step over the trainable parameters (every rank updates all of them); None when
+    the profile has no measured AdamW rate (older profiles: no optimizer term, as they always predicted)."""
+    if not opt.optimizer_step or profile.adamw_gbps is None:
+        return None
+    return shape.trainable_params * ADAMW_BYTES_PER_PARAM / (profile.adamw_gbps * 1e9)
+
+
+def _finish(shape, layout, profile, opt, compute_s, parts, mem, supervised, layers) -> Prediction:
     launch = layers * KERNELS_PER_LAYER * profile.launch_overhead_us * 1e-6
     sync = _grad_sync_ms(shape, layout.gpus, profile) / 1e3
     backward = compute_s * 2 / 3
     exposed_sync = max(0.0, sync - backward)
-    step = compute_s + launch + exposed_sync
+    optimizer = _optimizer_s(shape, profile, opt)  # after the gradient sync: not overlapped
+    step = compute_s + launch + exposed_sync + (optimizer or 0.0)
     breakdown = {k: v * 1e3 for k, v in parts.items()}
     breakdown.update(launch=launch * 1e3, exposed_grad_sync=exposed_sync * 1e3)
+    if optimizer is not None:
+        breakdown["optimizer"] = optimizer * 1e3
     return Prediction(
         layout=layout, step_ms=step * 1e3, tokens_per_s=layout.dp * supervised / step, peak_gib=mem.total,
         breakdown_ms=breakdown, memory=mem,

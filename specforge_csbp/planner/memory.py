@@ -46,14 +46,18 @@ def attention_layer_peak_bytes(
     elem_bytes: int,
     acc_bytes: int,
     backend: str,
+    schedule: str = "fused",
 ) -> int:
     """Peak bytes one rank allocates for forward + backward of one attention layer (inputs excluded).
 
-    The maximum over the phases of `ShardedAttention` (local call, remote call, LSE merge; backward in
-    reverse), each phase = what is alive across it + its own working set.
+    The maximum over the phases of `ShardedAttention`, each phase = what is alive across it + its own
+    working set. Schedule "fused": the gathered K/V, their concatenation with the local K/V, one call.
+    Schedule "overlap": local call, remote call, LSE merge; backward in reverse.
     """
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {backend!r}")
+    if schedule not in ("fused", "overlap"):
+        raise ValueError(f"schedule must be one of fused, overlap; got {schedule!r}")
     B, H, Hk, D = batch, heads, kv_heads, head_dim
     nq, nk_l, nk_r = stats.q_rows, stats.kv_rows, stats.gathered_rows
     dense = backend == "dense"
@@ -71,8 +75,15 @@ def attention_layer_peak_bytes(
         fwd = mask_l + scores(nk_l) + rep(nk_l)
         bwd = mask_l + out + lse + out + scores(nk_l) + 2 * rep(nk_l)  # saved out, dout, K and V copies
         return max(fwd, bwd)
-    mask_r = nq * nk_r if dense else 0
     gathered = 2 * B * Hk * nk_r * D * elem_bytes  # K and V of every rank's shared rows
+    if schedule == "fused":
+        nk = nk_l + nk_r
+        mask = nq * nk if dense else 0
+        cat = 2 * B * Hk * nk * D * elem_bytes  # [local ++ gathered] K and V, saved for backward
+        fwd = mask + gathered + cat + scores(nk) + rep(nk)
+        bwd = mask + cat + out + lse + out + scores(nk) + 2 * rep(nk)
+        return max(fwd, bwd)
+    mask_r = nq * nk_r if dense else 0
     fwd_l = mask_l + gathered + scores(nk_l) + rep(nk_l)
     fwd_r = mask_l + mask_r + gathered + out + lse + scores(nk_r) + rep(nk_r)
     merge = mask_l + mask_r + gathered + 5 * out + 4 * lse  # out_a, out_b, merged, 2 grads
@@ -84,9 +95,15 @@ def attention_layer_peak_bytes(
 def layer_activation_bytes_per_row(shape: ModelShape, elem_bytes: int) -> int:
     """Bytes one token row keeps for the backward of one decoder layer (no checkpointing): RMSNorm inputs
     and outputs (4h), q/k/v before and after q/k-norm + RoPE and the attention output (3H + 3Hk) D, SwiGLU
-    gate, up, act(gate), product (4I); fp32 log-sum-exp per head."""
+    gate, up, act(gate), product (4I); fp32 log-sum-exp per head.
+
+    DFlash2 (models/dflash/conv.py) wraps each of the two sublayers in a grouped dynamic convolution whose
+    products save their operands: the broadcast coefficients (taps x h) of the input and of the output
+    convolution, the convolved input (the sublayer's new GEMM input, h) and the sublayer output (h):
+    2 x (2 taps + 2) h per layer."""
     h, hd = shape.hidden, shape.head_dim
-    return elem_bytes * (4 * h + 3 * (shape.heads + shape.kv_heads) * hd + 4 * shape.intermediate) + 4 * shape.heads
+    conv = 2 * (2 * shape.conv_taps + 2) * h if shape.conv_taps else 0
+    return elem_bytes * (4 * h + 3 * (shape.heads + shape.kv_heads) * hd + 4 * shape.intermediate + conv) + 4 * shape.heads
 
 
 @dataclass(frozen=True)
@@ -114,13 +131,19 @@ def bdlm_step_memory(
     checkpointing: bool,
     ce_chunk: int,
     reserved_gib: float,
+    residual_bytes: int | None = None,
 ) -> MemoryBreakdown:
-    """One rank of a full-BDLM step (SFT / conversion): every layer runs on the rank's 2L rows."""
+    """One rank of a full-BDLM step (SFT / conversion): every layer runs on the rank's 2L rows.
+
+    residual_bytes: bytes per element of the residual stream between layers (the checkpointed layer
+    inputs) - 4 under autocast with fp32 weights (embeddings, norms and residual adds stay fp32; only the
+    GEMMs run in bf16), else elem_bytes."""
     rows = views * s.q_rows
     per_row = layer_activation_bytes_per_row(shape, elem_bytes)
     kv_row = 2 * shape.kv_heads * shape.head_dim * elem_bytes
+    res = residual_bytes or elem_bytes
     if checkpointing:  # layer inputs kept; one layer's activations live while it is recomputed
-        act = shape.layers * rows * shape.hidden * elem_bytes + rows * per_row
+        act = shape.layers * rows * shape.hidden * res + rows * per_row
         buf = views * s.gathered_rows * kv_row * 2  # one layer's gathered K/V + gradient
     else:
         act = shape.layers * rows * per_row
@@ -141,7 +164,14 @@ def drafter_step_memory(
     ce_chunk: int,
     reserved_gib: float,
 ) -> MemoryBreakdown:
-    """One rank of a DFlash drafter step (no activation checkpointing: the drafter is a few layers)."""
+    """One rank of a DFlash drafter step (no activation checkpointing: the drafter is a few layers).
+
+    Context rows, per layer (models/dflash/modeling.py `context_kv` and the attention call): the fused K|V
+    projection output (k-norm saves its input, a view that keeps the whole output alive) and the K/V of
+    `cat([context, block])` that the attention saves: 2 x (2 Hk D) per row. Sliding-window layer types
+    select their context rows once (`index_select`, saved as the K/V projection's input): h per selected
+    row. Loss: `linear_ce_topk` holds three fp32 [chunk, V] buffers at its backward peak (logits,
+    logits - lse, their exp / the gradient)."""
     any_stats = next(iter(per_window.values()))
     ctx = max(st.context_rows for st in per_window.values())
     kv_row = 2 * shape.kv_heads * shape.head_dim * elem_bytes
@@ -151,11 +181,13 @@ def drafter_step_memory(
     gathered = 0
     for w in shape.windows:
         st = per_window[w]
-        ctx_kv += st.context_rows * kv_row * 3 // 2  # K before and after k-norm/RoPE, V
+        ctx_kv += st.context_rows * kv_row * 2  # K|V projection output + the concatenated K/V
         gathered += (st.received_rows + (st.gather_width if st.gather_width else 0)) * kv_row
+    selected = sum(per_window[w].context_rows for w in set(shape.windows) if w is not None)
+    ctx_kv += selected * shape.hidden * elem_bytes
     biggest = max((st.received_rows + st.gather_width) * kv_row for st in per_window.values())
     blocks = shape.layers * any_stats.block_rows * layer_activation_bytes_per_row(shape, elem_bytes)
-    loss = 2 * min(ce_chunk, max(any_stats.block_rows, 1)) * shape.vocab * 4
+    loss = 3 * min(ce_chunk, max(any_stats.block_rows, 1)) * shape.vocab * 4
     states = shape.trainable_params * state_bytes + shape.frozen_params * elem_bytes
     return MemoryBreakdown(
         states=states / GiB, activations=(fc + ctx_kv + blocks) / GiB, buffers=(feats + gathered + biggest) / GiB,

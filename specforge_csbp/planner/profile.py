@@ -5,6 +5,13 @@
     allgather_gbps       bytes a rank sends per second in an all-gather (ring: (P-1) segments)
     reduce_scatter_gbps  same for reduce-scatter;  allreduce_gbps: 2(P-1)/P x bytes / time
     launch_overhead_us   cost of one tiny kernel launch (dominates tiny problems only)
+    layer_tflops         GEMM FLOPs / time of a whole eager decoder layer, forward + backward (rates.py)
+    loss_tflops          FLOPs / time of the chunked linear CE with a trainable LM head (BDLM loss)
+    loss_topk_tflops     the same for linear_ce_topk with a frozen head and top-k logits (drafter loss)
+    adamw_gbps           bytes / time of one fused AdamW step (28 bytes per fp32 parameter)
+
+The last four are optional (None in profiles calibrated before they existed: the cost model then charges
+that work at gemm_tflops and no optimizer time, exactly as those profiles always predicted).
 
 A profile is JSON (`MachineProfile`); `calibrate` writes one. Collectives need >= 2 ranks: run it under
 torchrun on GPUs, or let it spawn gloo ranks on CPU. Sizes are tiny on CPU, realistic on GPU.
@@ -25,9 +32,11 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
+from .rates import measure_work_rates, timed
+
 __all__ = ["BUILTIN_PROFILES", "MachineProfile", "calibrate", "load_profile"]
 
-BUILTIN_PROFILES = ("h200-nominal",)
+BUILTIN_PROFILES = ("h200-nominal", "h200x2-2026-11-29")
 
 
 class MachineProfile(BaseModel):
@@ -45,6 +54,11 @@ class MachineProfile(BaseModel):
     reduce_scatter_gbps: float | None = Field(default=None, gt=0)
     allreduce_gbps: float | None = Field(default=None, gt=0)
     launch_overhead_us: float = Field(default=0.0, ge=0)
+    layer_tflops: float | None = Field(default=None, gt=0, description="whole decoder layer, fwd + bwd")
+    loss_tflops: float | None = Field(default=None, gt=0, description="linear CE, trainable head")
+    loss_topk_tflops: float | None = Field(default=None, gt=0, description="linear CE + top-k, frozen head")
+    adamw_gbps: float | None = Field(default=None, gt=0, description="fused AdamW step, 28 B per parameter")
+    calibration_s: float | None = Field(default=None, ge=0, description="wall seconds the calibration took")
     gpus_per_node: int = Field(default=8, ge=1)
     internode_gbps: float | None = Field(default=None, gt=0, description="per-GPU bandwidth across nodes")
     reserved_gib: float = Field(default=0.0, ge=0, description="memory tensors cannot use (context, slack)")
@@ -53,6 +67,17 @@ class MachineProfile(BaseModel):
     @property
     def elem_bytes(self) -> int:
         return torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
+
+    @property
+    def token_tflops(self) -> float:
+        """Rate of token-wise work (decoder-layer GEMMs with their norms/RoPE/SwiGLU, projections)."""
+        return self.layer_tflops or self.gemm_tflops
+
+    def loss_rate_tflops(self, frozen_head_topk: bool) -> float:
+        """Rate of the vocabulary loss: the drafter's (frozen head + top-k) or the BDLM's (trainable head);
+        falls back to the other loss rate, then to the GEMM rate."""
+        topk, full = self.loss_topk_tflops, self.loss_tflops
+        return (topk or full if frozen_head_topk else full or topk) or self.gemm_tflops
 
     def bandwidth(self, op: str, group_size: int) -> float:
         """Bytes/s of `op` ("allgather" | "reduce_scatter" | "allreduce") for a group of this many GPUs;
@@ -76,16 +101,23 @@ class MachineProfile(BaseModel):
 
         kind = "measured" if self.measured else "NOMINAL (not measured)"
         inter = f", inter-node {g(self.internode_gbps)} GB/s" if self.internode_gbps else ""
+        work = ""  # only profiles that measured them say so (older summaries stay as they were)
+        if self.layer_tflops is not None:
+            work += f", decoder layer {g(self.layer_tflops)} TFLOP/s"
+        if self.loss_tflops is not None or self.loss_topk_tflops is not None:
+            work += f", loss {g(self.loss_tflops)} / top-k {g(self.loss_topk_tflops)} TFLOP/s"
+        if self.adamw_gbps is not None:
+            work += f", AdamW {g(self.adamw_gbps)} GB/s"
         return (
             f"{self.device}, {kind} {self.date} on {self.world_size} rank(s), {self.dtype}/{self.attention_backend}: "
             f"GEMM {g(self.gemm_tflops)} TFLOP/s, attention {g(self.attn_tflops)} TFLOP/s, all-gather "
             f"{g(self.allgather_gbps)} GB/s, reduce-scatter {g(self.reduce_scatter_gbps)} GB/s, all-reduce "
-            f"{g(self.allreduce_gbps)} GB/s{inter}, launch {self.launch_overhead_us:.3g} us"
+            f"{g(self.allreduce_gbps)} GB/s{inter}{work}, launch {self.launch_overhead_us:.3g} us"
         )
 
 
 def load_profile(name_or_path: str | os.PathLike) -> MachineProfile:
-    """A profile JSON file, or a built-in name (h200-nominal)."""
+    """A profile JSON file, or a built-in name (BUILTIN_PROFILES)."""
     if str(name_or_path) in BUILTIN_PROFILES:
         text = resources.files(__package__).joinpath(f"profiles/{name_or_path}.json").read_text()
     else:
@@ -101,25 +133,6 @@ def load_profile(name_or_path: str | os.PathLike) -> MachineProfile:
 # -- calibration ----------------------------------------------------------------------------------
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn, device: torch.device, reps: int, warmup: int = 2) -> float:
-    """Median seconds per call."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
-
-
 def _sizes(device: torch.device) -> dict:
     if device.type == "cuda":
         return dict(n=8192, L=16384, S=16, H=32, Hk=8, D=128, comm_bytes=256 << 20, dtype=torch.bfloat16, reps=10)
@@ -127,6 +140,12 @@ def _sizes(device: torch.device) -> dict:
 
 
 def _measure_compute(device: torch.device) -> dict:
+    """Every compute rate: the kernels below, then the work a step runs (rates.py) - after the kernels'
+    tensors are freed."""
+    return {**_measure_kernels(device), **measure_work_rates(device)}
+
+
+def _measure_kernels(device: torch.device) -> dict:
     from ..layout.plans import bdlm_plan
     from ..parallel.sharded_attention import ShardedAttention
     from .pairs import count_visible
@@ -135,7 +154,7 @@ def _measure_compute(device: torch.device) -> dict:
     n, dt = z["n"], z["dtype"]
     a = torch.randn(n, n, device=device, dtype=dt)
     b = torch.randn(n, n, device=device, dtype=dt)
-    gemm = 2 * n**3 / _timed(lambda: a @ b, device, z["reps"]) / 1e12
+    gemm = 2 * n**3 / timed(lambda: a @ b, device, z["reps"]) / 1e12
 
     L, S, H, Hk, D = z["L"], z["S"], z["H"], z["Hk"], z["D"]
     plan = bdlm_plan("reference", L, S, 1)[0]
@@ -149,11 +168,11 @@ def _measure_compute(device: torch.device) -> dict:
         out.backward(torch.ones_like(out))
 
     pairs = count_visible(plan.q_tokens, plan.kv_tokens, S)
-    attn_tflops = pairs * 4 * H * D * 3.5 / _timed(step, device, z["reps"]) / 1e12  # fwd 1 + bwd 2.5
+    attn_tflops = pairs * 4 * H * D * 3.5 / timed(step, device, z["reps"]) / 1e12  # fwd 1 + bwd 2.5
 
     x = torch.zeros(1, device=device)
     launches = 200
-    launch_us = _timed(lambda: [x.add_(1) for _ in range(launches)], device, 3, warmup=1) / launches * 1e6
+    launch_us = timed(lambda: [x.add_(1) for _ in range(launches)], device, 3, warmup=1) / launches * 1e6
     return dict(gemm_tflops=gemm, attn_tflops=attn_tflops, launch_overhead_us=launch_us, dtype=str(dt).split(".")[-1],
                 attention_backend="flex" if device.type == "cuda" else "dense")  # fmt: skip
 
@@ -174,7 +193,7 @@ def _measure_comm(device: torch.device, group=None) -> dict:
     def ar():
         dist.all_reduce(shard, group=group)
 
-    t_ag, t_rs, t_ar = (_timed(f, device, z["reps"]) for f in (ag, rs, ar))
+    t_ag, t_rs, t_ar = (timed(f, device, z["reps"]) for f in (ag, rs, ar))
     return dict(
         allgather_gbps=(world - 1) * nbytes / t_ag / 1e9,
         reduce_scatter_gbps=(world - 1) * nbytes / t_rs / 1e9,
@@ -190,16 +209,19 @@ def _device_name(device: torch.device) -> str:
 
 def _calibrate_rank(rank: int, world: int, out_path: str) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    start = time.perf_counter()
     values = _measure_compute(device)
     if device.type == "cuda":  # CUDA context and other users now, plus 5% allocator slack
+        torch.cuda.empty_cache()  # blocks the measurements cached are usable by tensors: not reserved
         free, total = torch.cuda.mem_get_info(device)
         values["reserved_gib"] = ((total - free) + 0.05 * total) / (1 << 30)
     values.update(_measure_comm(device) if world > 1 else {})
+    values["calibration_s"] = time.perf_counter() - start
     gathered: list = [None] * world
     dist.all_gather_object(gathered, values)
     if rank == 0:  # the slowest rank sets the pace of a synchronous step
         merged = {k: (min(g[k] for g in gathered) if isinstance(v, float) else v) for k, v in values.items()}
-        for key in ("launch_overhead_us", "reserved_gib"):  # costs: the largest rank's
+        for key in ("launch_overhead_us", "reserved_gib", "calibration_s"):  # costs: the largest rank's
             if key in values:
                 merged[key] = max(g[key] for g in gathered)
         merged["device"] = _device_name(device)
@@ -225,7 +247,9 @@ def calibrate(world_size: int = 2, *, command: str = "") -> MachineProfile:
             data = json.loads(obj[0])
         elif world_size == 1:
             world = 1
+            start = time.perf_counter()
             data = _measure_compute(torch.device("cpu"))
+            data["calibration_s"] = time.perf_counter() - start
             data["device"] = _device_name(torch.device("cpu"))
         else:
             world = world_size

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 __all__ = ["ModelShape", "load_shape"]
@@ -29,6 +29,10 @@ class ModelShape:
     drafter: bool = False
     features: int = 0  # drafter: number of target layers whose hidden states form the context
     target_hidden: int = 0  # drafter: target hidden size (width of one feature)
+    conv_taps: int = 0  # DFlash2: taps of the grouped dynamic convolution around each sublayer (0 = none)
+    conv_groups: int = 0  # DFlash2: channel groups of that convolution (hidden / conv_group_size)
+    selector_rank: int = 0  # DFlash2: rank of the candidate selector's codebooks (0 = no selector)
+    selector_top_k: int = 0  # DFlash2: candidates the selector scores per row
 
     # -- FLOPs (multiply-add = 2) and parameters ----------------------------------------------
     @property
@@ -37,9 +41,24 @@ class ModelShape:
 
     @property
     def layer_params(self) -> int:
-        """Weights of one decoder layer (q, k, v, o, gate, up, down; norms are negligible)."""
+        """Weights of one decoder layer (q, k, v, o, gate, up, down; norms are negligible; DFlash2: the two
+        convolutions' kernel projections hidden -> 2 x taps x groups and base kernels 2 x taps x hidden)."""
         h = self.hidden
-        return h * self.qkv_width + self.heads * self.head_dim * h + 3 * h * self.intermediate
+        conv = 2 * (h * 2 * self.conv_taps * self.conv_groups + 2 * self.conv_taps * h)
+        return h * self.qkv_width + self.heads * self.head_dim * h + 3 * h * self.intermediate + conv
+
+    @property
+    def selector_params(self) -> int:
+        """DFlash2 candidate selector: predecessor and successor codebooks (vocab x rank) + hidden -> rank."""
+        return (2 * self.vocab + self.hidden) * self.selector_rank
+
+    @property
+    def dflash2(self) -> bool:
+        return bool(self.conv_taps or self.selector_rank)
+
+    def without_dflash2(self) -> ModelShape:
+        """The same drafter without DFlash2's convolutions and selector (plain DFlash)."""
+        return replace(self, conv_taps=0, conv_groups=0, selector_rank=0, selector_top_k=0)
 
     def layer_gemm_flops_per_row(self) -> int:
         """Forward GEMM FLOPs of one token row through one layer."""
@@ -48,7 +67,8 @@ class ModelShape:
     @property
     def trainable_params(self) -> int:
         if self.drafter:  # fc (features -> hidden) + draft layers; embeddings and LM head are the target's
-            return self.features * self.target_hidden * self.hidden + self.layers * self.layer_params
+            fc = self.features * self.target_hidden * self.hidden
+            return fc + self.layers * self.layer_params + self.selector_params
         emb = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
         return emb + self.layers * self.layer_params
 
@@ -100,6 +120,9 @@ def load_shape(config: str | os.PathLike | dict[str, Any], *, workload: str | No
         kind = "a DFlash drafter config" if workload == "drafter" else "a causal LM config (not a drafter)"
         raise ValueError(f"workload {workload!r} needs {kind}; {path} is {'a drafter' if is_drafter else 'not a drafter'}")
     features = len(dflash.get("target_layer_ids") or []) or layers  # DFlash default: one feature per draft layer
+    dflash2 = is_drafter and "DFlash2" in archs  # conv + selector fields as SpecForge / SGLang name them
+    taps = int(dflash.get("conv_kernel_size") or 0) if dflash2 else 0
+    groups = hidden // int(dflash.get("conv_group_size") or hidden) if taps else 0
     return ModelShape(
         name=os.path.splitext(os.path.basename(path))[0], hidden=hidden,
         intermediate=int(_get(cfg, "intermediate_size", path)), layers=layers, heads=heads,
@@ -107,4 +130,7 @@ def load_shape(config: str | os.PathLike | dict[str, Any], *, workload: str | No
         vocab=int(_get(cfg, "vocab_size", path)), tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         windows=windows, drafter=is_drafter, features=features if is_drafter else 0,
         target_hidden=int(cfg.get("target_hidden_size") or hidden) if is_drafter else 0,
+        conv_taps=taps, conv_groups=groups,
+        selector_rank=int(dflash.get("selector_rank") or 0) if dflash2 else 0,
+        selector_top_k=int(dflash.get("selector_top_k") or 0) if dflash2 else 0,
     )  # fmt: skip

@@ -1,0 +1,152 @@
+"""Rates of the work a training step actually runs, measured for `calibrate` (planner/profile.py).
+
+One 8192^3 GEMM is the best case of a GPU; a decoder layer in eager PyTorch wraps its GEMMs in
+memory-bound passes (RMSNorms, q/k-norm, RoPE, SwiGLU products, residual adds, transposes), and the
+vocabulary loss adds fp32 logits, log-sum-exp and softmax passes. These measurements time that real code
+and divide the FLOPs the cost model charges for it (cost.py), so a rate is "useful FLOP/s as counted":
+
+    layer_tflops      transformers' Qwen3DecoderLayer (the BDLM's layer; the drafter's layer runs the same
+                      projections, norms, RoPE and SwiGLU MLP), forward + backward (input and weight
+                      gradients) of `rows` token rows, in sequences of `seq` rows so the attention core is a
+                      negligible part (< 0.5% of the FLOPs at the GPU size; its time stays in, uncounted):
+                          FLOPs = rows x 2 x layer params x 3                 (forward 1 + backward 2)
+    loss_tflops       objectives/linear_ce.py `linear_cross_entropy` with a trainable LM head (the BDLM's
+                      loss): FLOPs = rows x 2 h V x 4   (forward, recompute, dH, dW)
+    loss_topk_tflops  objectives/linear_ce_topk.py `linear_ce_topk` with a frozen LM head and the top-k
+                      logits carrying gradient (the DFlash2 drafter's loss): rows x 2 h V x 3
+    adamw_gbps        one fused AdamW step over fp32 parameters (GPU; foreach on CPU):
+                      ADAMW_BYTES_PER_PARAM = 28 bytes per parameter (read weight, grad, two moments;
+                      write weight, two moments) / time
+
+Sizes (`WORK_SIZES`): GPU - the hidden/intermediate/heads of Qwen3-8B (the drafters' width), 8192 rows,
+the vocabulary of Qwen3 (151936), the CE chunks of the BDLM and drafter benchmarks (4096, 2048), 128M
+AdamW parameters; CPU - toy sizes in float32 that run in about a second. fp32 matmuls run at the
+precision training sets on GPUs ("high": TF32 tensor cores, training/trainer.py), restored afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["ADAMW_BYTES_PER_PARAM", "WORK_SIZES", "measure_work_rates", "qwen3_layer", "timed"]
+
+ADAMW_BYTES_PER_PARAM = 28  # fp32: read weight, grad, exp_avg, exp_avg_sq (16); write weight and moments (12)
+
+WORK_SIZES: dict[str, dict] = {
+    "cuda": dict(hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128, rows=8192, seq=128,
+                 vocab=151936, ce_chunk=4096, topk_chunk=2048, top_k=16, adamw_params=128 << 20,
+                 dtype=torch.bfloat16, reps=8),
+    "cpu": dict(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, rows=256, seq=32,
+                vocab=2048, ce_chunk=128, topk_chunk=64, top_k=4, adamw_params=1 << 20,
+                dtype=torch.float32, reps=3),
+}  # fmt: skip
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device, reps: int, warmup: int = 2) -> float:
+    """Median seconds per call (after `warmup` untimed calls)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def qwen3_layer(device: torch.device, z: dict) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """transformers' Qwen3DecoderLayer of the sizes `z` (sdpa attention) and its rotary embedding."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
+
+    cfg = Qwen3Config(
+        hidden_size=z["hidden"], intermediate_size=z["intermediate"], num_attention_heads=z["heads"],
+        num_key_value_heads=z["kv_heads"], head_dim=z["head_dim"], num_hidden_layers=1,
+        max_position_embeddings=z["seq"], vocab_size=z["vocab"],
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    with torch.device(device):  # initialise on the device (a CPU init of 200M weights takes seconds)
+        layer = Qwen3DecoderLayer(cfg, 0).to(z["dtype"])
+        rope = Qwen3RotaryEmbedding(cfg)
+    return layer, rope
+
+
+def _layer_tflops(device: torch.device, z: dict) -> float:
+    layer, rope = qwen3_layer(device, z)
+    x = torch.randn(z["rows"] // z["seq"], z["seq"], z["hidden"], device=device, dtype=z["dtype"])
+    x.requires_grad_(True)
+    cos_sin = rope(x, torch.arange(z["seq"], device=device)[None])
+    grad = torch.randn_like(x)
+    # FLOPs as the cost model counts them: 2 x the layer's weights per row (shapes.ModelShape.layer_params
+    # counts the same q, k, v, o, gate, up, down; tests/test_planner_rates.py checks they agree).
+    weights = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        layer(x, position_embeddings=cos_sin).backward(grad)
+
+    rows = x.shape[0] * x.shape[1]
+    return rows * 2 * weights * 3 / timed(step, device, z["reps"]) / 1e12
+
+
+def _loss_tflops(device: torch.device, z: dict) -> tuple[float, float]:
+    from ..objectives.linear_ce import linear_cross_entropy
+    from ..objectives.linear_ce_topk import linear_ce_topk
+
+    n, h, V = z["rows"], z["hidden"], z["vocab"]
+    hidden = torch.randn(n, h, device=device, dtype=z["dtype"], requires_grad=True)
+    head = (torch.randn(V, h, device=device, dtype=z["dtype"]) * h**-0.5).requires_grad_(True)
+    targets = torch.randint(V, (n,), device=device)
+
+    def trainable_head():  # BDLM: tied / trainable LM head, summed CE
+        hidden.grad = head.grad = None
+        linear_cross_entropy(hidden, head, targets, chunk_size=z["ce_chunk"]).backward()
+
+    frozen = head.detach()
+
+    def frozen_head_topk():  # drafter: the target's frozen head, per-row CE and top-k logits (selector)
+        hidden.grad = None
+        nll, top_v, _ = linear_ce_topk(hidden, frozen, targets, top_k=z["top_k"], chunk_size=z["topk_chunk"])
+        (nll.sum() + top_v.sum()).backward()
+
+    pass_flops = n * 2 * h * V
+    loss = pass_flops * 4 / timed(trainable_head, device, z["reps"]) / 1e12
+    loss_topk = pass_flops * 3 / timed(frozen_head_topk, device, z["reps"]) / 1e12
+    return loss, loss_topk
+
+
+def _adamw_gbps(device: torch.device, z: dict) -> float:
+    parts = 4  # a few tensors, as a model has (one fused launch covers them all)
+    size = z["adamw_params"] // parts
+    params = [torch.zeros(size, device=device, requires_grad=True) for _ in range(parts)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True if device.type == "cuda" else None)
+    n = sum(p.numel() for p in params)
+    return n * ADAMW_BYTES_PER_PARAM / timed(opt.step, device, z["reps"]) / 1e9
+
+
+def measure_work_rates(device: torch.device) -> dict[str, float]:
+    """layer_tflops, loss_tflops, loss_topk_tflops, adamw_gbps of this device (module docstring)."""
+    z = WORK_SIZES["cuda" if device.type == "cuda" else "cpu"]
+    precision = torch.get_float32_matmul_precision()
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # as training sets it (trainer.py, bdlm_bench.py)
+    try:
+        layer = _layer_tflops(device, z)
+        loss, loss_topk = _loss_tflops(device, z)
+        adamw = _adamw_gbps(device, z)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    return dict(layer_tflops=layer, loss_tflops=loss, loss_topk_tflops=loss_topk, adamw_gbps=adamw)
