@@ -7,6 +7,7 @@ import torch
 
 from specforge_csbp.layout import CLEAN, NOISY, TokenSet, bdlm_plan
 from specforge_csbp.masks import Visibility
+from specforge_csbp.masks.visibility import CLEAN_RULES
 
 
 def rule_by_loops(L, S, bidirectional):
@@ -76,3 +77,63 @@ def test_visible_pair_count_formula_equals_the_mask(L, S, rule):
     from specforge_csbp.layout.cost import bdlm_visible_pairs
 
     assert bdlm_visible_pairs(L, S, rule) == int(rule_by_loops(L, S, rule == "bidirectional").sum())
+
+
+def _token_rule(q, k, S, bidirectional, window=None, noisy_causal=False):
+    """The rule as stated per token field (design.md section 1), elementwise - the oracle of the ranges."""
+    qp, qk, qb, qs = (t[:, None] for t in (q.pos, q.kind, q.block, q.start))
+    kp, kk, kb = (t[None, :] for t in (k.pos, k.kind, k.block))
+    q_clean, q_noisy = qk == CLEAN, qk == NOISY
+    clean_limit = (kp < qs + S) if bidirectional else (kp <= qp)
+    sees_clean = (kk == CLEAN) & ((q_clean & clean_limit) | (q_noisy & (kp < qs)))
+    if window is not None:
+        sees_clean &= kp > qp - window
+    same_block = kb == qb
+    if noisy_causal:
+        same_block &= kp <= qp
+    return sees_clean | ((kk == NOISY) & q_noisy & same_block)
+
+
+def _pairs_of_token_sets():
+    from specforge_csbp.models.dflash import drafter_plans, make_dflash_config
+    from specforge_csbp.objectives.dflash import DFlashObjective, sample_anchors
+
+    for mode, L, S, P in [("reference", 40, 4, 1), ("csbp", 48, 4, 3), ("cp", 36, 3, 2), ("bp", 64, 8, 2)]:
+        for plan in bdlm_plan(mode, L, S, P):
+            for keys in (plan.kv_tokens, plan.remote_kv_tokens):
+                for rule in CLEAN_RULES:
+                    yield plan.q_tokens, keys.padded(len(keys) + 3), S, rule, None, False
+    for causal in (None, False):
+        cfg = make_dflash_config(
+            hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=8, vocab_size=32, num_target_layers=3, target_layer_ids=[1], mask_token_id=31, block_size=4,
+            layer_types=["sliding_attention", "full_attention"], sliding_window=9, is_causal=causal,
+        )  # fmt: skip
+        anchors = sample_anchors(torch.ones(90), DFlashObjective(num_anchors=11), block_size=4)
+        for mode, P in (("reference", 1), ("csbp", 3), ("cp", 2)):
+            for plan in drafter_plans(mode, 90, anchors, cfg, P, bucket=8):
+                for lp in plan.layers.values():
+                    for keys in (lp.shard.kv_tokens, lp.shard.remote_kv_tokens):
+                        yield lp.shard.q_tokens.padded(len(lp.shard.q_tokens) + 2), keys, 4, "causal", lp.window, lp.noisy_causal
+
+
+def test_ranges_equal_the_rule_stated_per_token_field():
+    n = 0
+    for q, k, S, rule, window, causal in _pairs_of_token_sets():
+        vis = Visibility(q, k, S, rule, window=window, noisy_causal=causal)
+        expected = _token_rule(q, k, S, rule == "bidirectional", window, causal)
+        assert torch.equal(vis.dense(), expected)
+        q_idx, k_idx = torch.meshgrid(torch.arange(len(q)), torch.arange(len(k)), indexing="ij")
+        assert torch.equal(vis.mask_mod("cpu")(0, 0, q_idx, k_idx), expected)  # the int32 tables too
+        n += int(expected.any())
+    assert n > 20  # the cases see something
+
+
+def test_tokens_outside_the_ranges_encoding_are_one_line_errors():
+    ctx = TokenSet.bdlm(torch.arange(8), CLEAN, 4)
+    stray = TokenSet(torch.tensor([9]), torch.tensor([NOISY]), torch.tensor([0]), torch.tensor([4]))  # 5 past start
+    with pytest.raises(ValueError, match=r"^keys: a noisy token must lie inside its block \(0 <= pos - start < 4\)$"):
+        Visibility(ctx, TokenSet.cat([ctx, stray]), 4).dense()
+    far = TokenSet.bdlm(torch.tensor([1 << 29]), CLEAN, 4)
+    with pytest.raises(ValueError, match=r"^queries: positions must lie in \[0, 536870912\)"):
+        Visibility(far, ctx, 4).dense()

@@ -60,18 +60,15 @@ def tile_status(
     """
     nq, nk = len(vis.q), len(vis.k)
     n_qt, n_kt = -(-nq // q_tile), -(-nk // kv_tile)
-    q, k = _padded(vis.q, n_qt * q_tile, device), _padded(vis.k, n_kt * kv_tile, device)
+    padded = dataclasses.replace(vis, q=vis.q.padded(n_qt * q_tile), k=vis.k.padded(n_kt * kv_tile), _cache={})
+    x, ranges = padded.tables(device)
     any_visible = torch.empty(n_qt, n_kt, dtype=torch.bool, device=device)
     all_visible = torch.empty(n_qt, n_kt, dtype=torch.bool, device=device)
     rows_per_chunk = max(1, budget // (q_tile * n_kt * kv_tile))
     for lo in range(0, n_qt, rows_per_chunk):
         hi = min(lo + rows_per_chunk, n_qt)
         rows = slice(lo * q_tile, hi * q_tile)
-        dense = visible(
-            q.pos[rows, None], q.kind[rows, None], q.block[rows, None], q.start[rows, None],
-            k.pos[None, :], k.kind[None, :], k.block[None, :], vis.block_size, vis.bidirectional,
-            vis.window, vis.noisy_causal,
-        ).view(hi - lo, q_tile, n_kt, kv_tile)  # fmt: skip
+        dense = visible(x[None, :], *(t[rows, None] for t in ranges)).view(hi - lo, q_tile, n_kt, kv_tile)
         any_visible[lo:hi] = dense.any(dim=3).any(dim=1)
         all_visible[lo:hi] = dense.all(dim=3).all(dim=1)
         del dense

@@ -37,6 +37,22 @@ For a draft block at anchor a = 6 (S = 3) with W = 4, rows = slots, columns = co
     slot 0 (p=6)   . . . # # #  | # . .       (noisy_causal)
     slot 1 (p=7)   . . . . # #  | # # .
     slot 2 (p=8)   . . . . . #  | # # #
+
+Evaluated as ranges. Every key gets one coordinate x and every query two half-open ranges, so a mask
+entry is four integer compares (int32 inside FlexAttention's mask_mod, which runs on every element of a
+partially visible tile - the old per-element lookups of seven int64 token fields cost more than the tile's
+matrix products):
+
+    key x:   clean -> pos          noisy -> NOISY_BASE + block * S + (pos - start)         PAD -> PAD_COORD
+    query:   sees x in [lo, hi)  or  x in [noisy_lo, noisy_hi)
+
+                    [lo, hi) on clean positions                    [noisy_lo, noisy_hi)
+    clean query     [p - W + 1 or 0,  p + 1 | start + S)           empty
+    noisy query     [p - W + 1 or 0,  start)                       own block: base + block S + [0, S | p - start + 1)
+    PAD query       empty                                          empty
+
+Exact for token sets whose noisy tokens lie inside their block (0 <= pos - start < S, block >= 0), with
+positions and block * S below MAX_POSITION (checked; every plan of this package satisfies it).
 """
 
 from __future__ import annotations
@@ -48,36 +64,59 @@ import torch
 
 from ..layout.tokens import CLEAN, NOISY, TokenSet
 
-__all__ = ["CLEAN_RULES", "visible", "Visibility"]
+__all__ = ["CLEAN_RULES", "MAX_POSITION", "Visibility", "key_coordinates", "query_ranges", "visible"]
 
 CLEAN_RULES = ("causal", "bidirectional")
+MAX_POSITION = 1 << 29  # positions and block * S stay below this, so every coordinate fits int32
+NOISY_BASE = 1 << 30  # noisy keys' coordinates start above every clean position
+PAD_COORD = -(1 << 30)  # below every range (ranges start at >= -(window - 1) or at 0)
+
+
+def _check(tokens: TokenSet, block_size: int, what: str) -> None:
+    if len(tokens) == 0:
+        return
+    if int(tokens.pos.min()) < 0 or int(tokens.pos.max()) >= MAX_POSITION:
+        raise ValueError(f"{what}: positions must lie in [0, {MAX_POSITION}); got {tokens.pos.min()}..{tokens.pos.max()}")
+    noisy = tokens.kind == NOISY
+    if bool(noisy.any()):
+        offset, block = (tokens.pos - tokens.start)[noisy], tokens.block[noisy]
+        if int(offset.min()) < 0 or int(offset.max()) >= block_size:
+            raise ValueError(f"{what}: a noisy token must lie inside its block (0 <= pos - start < {block_size})")
+        if int(block.min()) < 0 or int(block.max()) * block_size >= MAX_POSITION:
+            raise ValueError(f"{what}: noisy block ids must lie in [0, {MAX_POSITION // block_size})")
+
+
+def key_coordinates(k: TokenSet, block_size: int) -> torch.Tensor:
+    """x [Nk] (int64): clean -> pos, noisy -> NOISY_BASE + block * S + (pos - start), PAD -> PAD_COORD."""
+    _check(k, block_size, "keys")
+    noisy = NOISY_BASE + k.block * block_size + (k.pos - k.start)
+    x = torch.where(k.kind == NOISY, noisy, torch.full_like(k.pos, PAD_COORD))
+    return torch.where(k.kind == CLEAN, k.pos, x)
+
+
+def query_ranges(
+    q: TokenSet, block_size: int, *, bidirectional: bool, window: int | None = None, noisy_causal: bool = False
+) -> torch.Tensor:
+    """[4, Nq] (int64): (lo, hi, noisy_lo, noisy_hi); query i sees keys with x in [lo, hi) or [noisy_lo, noisy_hi)."""
+    _check(q, block_size, "queries")
+    clean, noisy = q.kind == CLEAN, q.kind == NOISY
+    zero = torch.zeros_like(q.pos)
+    lo = q.pos - (window - 1) if window is not None else zero
+    clean_hi = q.start + block_size if bidirectional else q.pos + 1
+    hi = torch.where(clean, clean_hi, torch.where(noisy, q.start, zero))
+    lo = torch.where(clean | noisy, lo, zero)
+    own = NOISY_BASE + q.block * block_size
+    width = q.pos - q.start + 1 if noisy_causal else torch.full_like(q.pos, block_size)
+    noisy_lo = torch.where(noisy, own, zero)
+    noisy_hi = torch.where(noisy, own + width, zero)
+    return torch.stack([lo, hi, noisy_lo, noisy_hi])
 
 
 def visible(
-    q_pos: torch.Tensor,
-    q_kind: torch.Tensor,
-    q_block: torch.Tensor,
-    q_start: torch.Tensor,
-    k_pos: torch.Tensor,
-    k_kind: torch.Tensor,
-    k_block: torch.Tensor,
-    block_size: int,
-    clean_bidirectional: bool,
-    window: int | None = None,
-    noisy_causal: bool = False,
+    x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, noisy_lo: torch.Tensor, noisy_hi: torch.Tensor
 ) -> torch.Tensor:
     """The rule, elementwise with broadcasting (also traced inside FlexAttention's mask_mod)."""
-    q_clean = q_kind == CLEAN
-    q_noisy = q_kind == NOISY
-    clean_limit = (k_pos < q_start + block_size) if clean_bidirectional else (k_pos <= q_pos)
-    sees_clean = (k_kind == CLEAN) & ((q_clean & clean_limit) | (q_noisy & (k_pos < q_start)))
-    if window is not None:
-        sees_clean = sees_clean & (k_pos > q_pos - window)
-    same_block = k_block == q_block
-    if noisy_causal:
-        same_block = same_block & (k_pos <= q_pos)
-    sees_noisy = (k_kind == NOISY) & q_noisy & same_block
-    return sees_clean | sees_noisy
+    return ((x >= lo) & (x < hi)) | ((x >= noisy_lo) & (x < noisy_hi))
 
 
 @dataclass(eq=False)
@@ -97,34 +136,37 @@ class Visibility:
             raise ValueError(
                 f"clean_within_block must be one of {', '.join(CLEAN_RULES)}; got {self.clean_within_block!r}"
             )
-        if self.window is not None and self.window < 1:
-            raise ValueError(f"window must be None or >= 1, got {self.window}")
+        if self.window is not None and not 1 <= self.window < MAX_POSITION:
+            raise ValueError(f"window must be None or in [1, {MAX_POSITION}), got {self.window}")
 
     @property
     def bidirectional(self) -> bool:
         return self.clean_within_block == "bidirectional"
 
+    def tables(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.int64):
+        """(key coordinates [Nk], query ranges [4, Nq]) on `device` (cached)."""
+        key = ("tables", str(device), dtype)
+        if key not in self._cache:
+            x = key_coordinates(self.k, self.block_size)
+            r = query_ranges(self.q, self.block_size, bidirectional=self.bidirectional, window=self.window,
+                             noisy_causal=self.noisy_causal)  # fmt: skip
+            self._cache[key] = (x.to(device=device, dtype=dtype), r.to(device=device, dtype=dtype))
+        return self._cache[key]
+
     def dense(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """[Nq, Nk] boolean mask."""
         key = ("dense", str(device))
         if key not in self._cache:
-            q, k = self.q.to(device), self.k.to(device)
-            self._cache[key] = visible(
-                q.pos[:, None], q.kind[:, None], q.block[:, None], q.start[:, None],
-                k.pos[None, :], k.kind[None, :], k.block[None, :],
-                self.block_size, self.bidirectional, self.window, self.noisy_causal,
-            )  # fmt: skip
+            x, r = self.tables(device)
+            self._cache[key] = visible(x[None, :], *(t[:, None] for t in r))
         return self._cache[key]
 
     def mask_mod(self, device: torch.device | str) -> Callable[..., torch.Tensor]:
-        """FlexAttention mask_mod(b, h, q_idx, kv_idx) evaluating the same rule by row lookup."""
-        q, k = self.q.to(device), self.k.to(device)
-        size, bidir, window, causal = self.block_size, self.bidirectional, self.window, self.noisy_causal
+        """FlexAttention mask_mod(b, h, q_idx, kv_idx) evaluating the same rule: one int32 lookup per key,
+        four per query row, four compares per element."""
+        x, (lo, hi, noisy_lo, noisy_hi) = self.tables(device, torch.int32)
 
         def mask_mod(b, h, q_idx, kv_idx):  # noqa: ARG001 - FlexAttention's signature
-            return visible(
-                q.pos[q_idx], q.kind[q_idx], q.block[q_idx], q.start[q_idx],
-                k.pos[kv_idx], k.kind[kv_idx], k.block[kv_idx], size, bidir, window, causal,
-            )  # fmt: skip
+            return visible(x[kv_idx], lo[q_idx], hi[q_idx], noisy_lo[q_idx], noisy_hi[q_idx])
 
         return mask_mod
