@@ -118,6 +118,8 @@ def parse_args(argv=None):
                    help="csbp: one fused attention call after the gather (default; overlap with --regather), "
                    "or overlap the gather with attention over the local keys")
     p.add_argument("--peak-tflops", type=float, default=781.0, help="bf16 GEMM peak per GPU for MFU")
+    p.add_argument("--check-context", type=int, default=0,
+                   help="first check our modes' GPU path against the dense seam at this context (float32; 0: off)")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -179,9 +181,10 @@ class Env:
 class Features:
     """Synthetic target features of one sequence: only the requested intervals are ever materialised."""
 
-    def __init__(self, intervals, width, env, seed):
+    def __init__(self, intervals, width, env, seed, dtype=None):
         g = torch.Generator(device=env.device).manual_seed(seed)
-        self.parts = {iv: torch.randn(iv[1] - iv[0], width, device=env.device, dtype=env.dtype, generator=g)
+        dtype = dtype or env.dtype
+        self.parts = {iv: torch.randn(iv[1] - iv[0], width, device=env.device, dtype=dtype, generator=g)
                       for iv in intervals}  # fmt: skip
 
     def __call__(self, lo, hi):
@@ -191,21 +194,19 @@ class Features:
         raise KeyError(f"rows [{lo}, {hi}) were not generated on this rank")
 
 
-def frozen_target(config, env, seed):
+def frozen_target(config, env, seed, dtype=None):
     g = torch.Generator(device=env.device).manual_seed(seed + 1)
-    V, H = config.vocab_size, config.hidden_size
-    head = (torch.randn(V, H, device=env.device, dtype=env.dtype, generator=g) * H**-0.5).requires_grad_(
-        False
-    )
-    embed = torch.randn(V, H, device=env.device, dtype=env.dtype, generator=g).requires_grad_(False)
+    V, H, dtype = config.vocab_size, config.hidden_size, dtype or env.dtype
+    head = (torch.randn(V, H, device=env.device, dtype=dtype, generator=g) * H**-0.5).requires_grad_(False)
+    embed = torch.randn(V, H, device=env.device, dtype=dtype, generator=g).requires_grad_(False)
     return head, embed
 
 
-def make_model(config, env, seed):
+def make_model(config, env, seed, dtype=None):
     torch.manual_seed(seed)
     cls = DFlash2DraftModel if config.is_dflash2 else DFlashDraftModel
     with env.device:  # initialise on the device (a 27B-class drafter is ~2B parameters)
-        model = cls(config).to(dtype=env.dtype)
+        model = cls(config).to(dtype=dtype or env.dtype)
     if config.is_dflash2:  # published checkpoints start as identity / zero; give every path real values
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -373,24 +374,64 @@ def components(model, plan, sample, head, embed, objective, env) -> dict[str, fl
     return out
 
 
-def run_ours(mode, L, N, config, model, head, embed, env, args) -> dict:
+def make_samples(mode, L, N, config, width, env, seed, dtype=None):
+    """The step's objective and this rank's sequences (features generated only for its own intervals)."""
     P = env.world
-    objective = DFlashObjective(num_anchors=N, seed=args.seed, chunk_size=2048)
-    seqs = [sequence(L, config, args.seed + i) for i in range(P if mode == "dp" else 1)]
-    width = model.fc.in_features
+    objective = DFlashObjective(num_anchors=N, seed=seed, chunk_size=2048)
     samples = []
-    for i, (ids, mask) in enumerate(seqs):
+    for i, (ids, mask) in enumerate(sequence(L, config, seed + i) for i in range(P if mode == "dp" else 1)):
         if mode == "dp" and i % P != env.rank:
             samples.append(DrafterSample(ids, mask, None))  # another rank's sequence: never read here
             continue
-        anchors = sample_anchors(mask, objective, block_size=model.block_size, step=0, sample_index=i)
+        anchors = sample_anchors(mask, objective, block_size=config.draft_block_size, step=0, sample_index=i)
         plan_mode = "reference" if mode == "dp" or P == 1 else mode
         plan = drafter_plans(plan_mode, L, anchors, config, 1 if plan_mode == "reference" else P)[
             0 if plan_mode == "reference" else env.rank
         ]
-        samples.append(
-            DrafterSample(ids, mask, Features(plan.ctx_intervals, width, env, args.seed + 100 + i))
-        )
+        feats = Features(plan.ctx_intervals, width, env, seed + 100 + i, dtype)
+        samples.append(DrafterSample(ids, mask, feats))
+    return objective, samples
+
+
+def check_backends(args, env, modes) -> dict[str, float]:
+    """The GPU path (FlexAttention: block masks, GQA packing, compiled kernels) against the dense seam on the
+    same device, float32, at `--check-context` tokens: the largest relative error over the loss and every
+    trainable gradient, per mode (max over ranks). The CPU tests prove the parallel logic in float64; this
+    proves the GPU kernels compute the same function."""
+    _, config = build_config(args)
+    L, N = args.check_context, max(4 * env.world, 32)
+    model = make_model(config, env, args.seed, torch.float32)
+    head, embed = frozen_target(config, env, args.seed, torch.float32)
+    errors = {}
+    for mode in modes:
+        objective, samples = make_samples(mode, L, N, config, model.fc.in_features, env, args.seed, torch.float32)
+        out = {}
+        for backend in ("dense", env.backend):  # on CPU (--smoke) dense twice: the path runs, error 0
+            model.zero_grad(set_to_none=True)
+            res = drafter_step(
+                model, samples, objective=objective, mode=mode, head_weight=head, embed_weight=embed, step=0,
+                backend=backend, bucket=args.bucket, stats=CommStats(), regather=args.regather,
+                schedule=args.schedule,
+            )  # fmt: skip
+            out[backend] = (res.loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        (ref_loss, ref_grads), (loss, grads) = out["dense"], out[env.backend]
+        err = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
+        for n, g in ref_grads.items():
+            err = max(err, float((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)))
+        errors[mode] = env.reduce(err)
+        if env.rank == 0:
+            print(f"check {mode}: {env.backend} vs dense seam on {env.name}, float32, L={L} N={N}: max rel err "
+                  f"{errors[mode]:.2e}", flush=True)  # fmt: skip
+    del model, head, embed
+    gc.collect()
+    if env.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return errors
+
+
+def run_ours(mode, L, N, config, model, head, embed, env, args) -> dict:
+    P = env.world
+    objective, samples = make_samples(mode, L, N, config, model.fc.in_features, env, args.seed)
     stats = CommStats()
     box = {}
     # anchors are re-drawn every step; the next step's plans are built on the CPU while this one runs
@@ -531,6 +572,8 @@ def is_oom(err: BaseException) -> bool:
 
 def run_points(args, env, points):
     name, config = build_config(args)
+    ours = list(dict.fromkeys(m for m, _, _ in points if m != "specforge"))
+    checked = check_backends(args, env, ours) if args.check_context and ours else {}
     head, embed = frozen_target(config, env, args.seed)
     model = None
     records = []
@@ -538,6 +581,7 @@ def run_points(args, env, points):
         base = {"workload": f"drafter-{name}", "mode": mode, "world_size": 1 if mode == "specforge" else env.world,
                     "context_len": L, "block_size": config.draft_block_size, "anchors": N, "dflash2": config.is_dflash2,
                     "regather": args.regather, "schedule": args.schedule,
+                    **({"check_rel_err": checked[mode]} if mode in checked else {}),
                     "device": env.name, "date": datetime.date.today().isoformat(), "command": command_line(env)}  # fmt: skip
         try:
             if mode == "specforge":
@@ -632,7 +676,7 @@ def main(argv=None):
     if args.smoke:
         from specforge_csbp.distributed import spawn
 
-        args.iters, args.warmup, args.bucket = 1, 1, 8
+        args.iters, args.warmup, args.bucket, args.check_context = 1, 1, 8, 128
         spawn(_smoke_worker, 2, args, timeout_s=300)
         env = Env(args)  # the 1-process points: ours on one rank, then SpecForge's own model (DFlash)
         records = run_points(args, env, [("csbp", 256, 13)])
