@@ -174,9 +174,9 @@ def _local_inputs(rows_q, rows_kv, args, device, dtype, full=None):
     """Random local q/k/v (or slices of `full` for correctness checks)."""
     if full is not None:
         q, k, v, g = full
-        pick = lambda t, r: t[:, :, r.to(device)].detach().clone().requires_grad_()  # noqa: E731
+        pick = lambda t, r: t[:, :, r.to(device)].detach().clone().requires_grad_()
         return pick(q, rows_q), pick(k, rows_kv), pick(v, rows_kv), g[:, :, rows_q.to(device)].contiguous()
-    mk = lambda h, n: torch.randn(1, h, n, args.head_dim, device=device, dtype=dtype, requires_grad=True)  # noqa: E731
+    mk = lambda h, n: torch.randn(1, h, n, args.head_dim, device=device, dtype=dtype, requires_grad=True)
     q, k, v = mk(args.heads, len(rows_q)), mk(args.kv_heads, len(rows_kv)), mk(args.kv_heads, len(rows_kv))
     return q, k, v, torch.randn(1, args.heads, len(rows_q), args.head_dim, device=device, dtype=dtype)
 

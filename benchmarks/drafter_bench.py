@@ -61,9 +61,9 @@ from specforge_csbp.models.dflash import (
     plan_attention,
 )
 from specforge_csbp.models.dflash.sharding import reference_attention
-from specforge_csbp.parallel.sharded_attention import resolve_schedule
 from specforge_csbp.models.dflash.step import prepare_step
 from specforge_csbp.objectives.dflash import DFlashObjective, block_targets, loss_terms, sample_anchors
+from specforge_csbp.parallel.sharded_attention import resolve_schedule
 
 SHAPES = {
     "a": {

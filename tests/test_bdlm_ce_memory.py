@@ -9,20 +9,9 @@ set, it does not depend on what the interpreter touched before (imports, other t
 from __future__ import annotations
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from memory_probe import peak_allocated_bytes
 
 from specforge_csbp.objectives.linear_ce import linear_cross_entropy
-
-
-def _peak_bytes(fn) -> int:
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    cur = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return peak
 
 
 def test_chunked_ce_peak_memory_below_naive():
@@ -41,7 +30,7 @@ def test_chunked_ce_peak_memory_below_naive():
             losses[name] = float(loss)
 
         h.grad = w.grad = None
-        peak = _peak_bytes(step)
+        peak = peak_allocated_bytes(step)
         grads[name] = (h.grad.clone(), w.grad.clone())
         return peak
 

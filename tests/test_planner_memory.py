@@ -12,7 +12,7 @@ import json
 import os
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from memory_probe import peak_allocated_bytes
 
 from specforge_csbp.distributed import spawn
 from specforge_csbp.layout import bdlm_plan
@@ -35,17 +35,6 @@ CASES = [
 ]
 
 
-def _peak_bytes(fn) -> int:
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    cur = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return peak
-
-
 def _measure(mode, L, S, H, Hk, D, dtype, schedule, rank, world) -> int:
     plan = bdlm_plan(mode, L, S, world)[rank]
     g = torch.Generator().manual_seed(rank)
@@ -59,7 +48,7 @@ def _measure(mode, L, S, H, Hk, D, dtype, schedule, rank, world) -> int:
         out, lse = ShardedAttention(plan, S, schedule=schedule)(q, k, v)
         torch.autograd.backward([out, lse], [g_out, g_lse.to(lse.dtype)])
 
-    return _peak_bytes(step)
+    return peak_allocated_bytes(step)
 
 
 def _rank_main(rank: int, world: int, out_dir: str) -> None:

@@ -18,7 +18,7 @@ from ..masks.visibility import Visibility
 from .dense import dense_attention
 from .packing import pack_q, packed_visibility, should_pack, tile_counts, unpack
 
-__all__ = ["BACKENDS", "partial_attention", "check_qkv"]
+__all__ = ["BACKENDS", "check_qkv", "partial_attention"]
 
 BACKENDS = ("auto", "dense", "flex")
 

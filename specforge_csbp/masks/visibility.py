@@ -57,8 +57,9 @@ positions and block * S below MAX_POSITION (checked; every plan of this package 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -166,7 +167,7 @@ class Visibility:
         four per query row, four compares per element."""
         x, (lo, hi, noisy_lo, noisy_hi) = self.tables(device, torch.int32)
 
-        def mask_mod(b, h, q_idx, kv_idx):  # noqa: ARG001 - FlexAttention's signature
+        def mask_mod(b, h, q_idx, kv_idx):
             return visible(x[kv_idx], lo[q_idx], hi[q_idx], noisy_lo[q_idx], noisy_hi[q_idx])
 
         return mask_mod

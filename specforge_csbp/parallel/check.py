@@ -16,7 +16,7 @@ from ..distributed.collectives import CommStats
 from ..layout.plans import bdlm_plan, check_bdlm_shape
 from .sharded_attention import ShardedAttention
 
-__all__ = ["CheckCase", "CheckResult", "TOLERANCES", "run_check", "DTYPES"]
+__all__ = ["DTYPES", "TOLERANCES", "CheckCase", "CheckResult", "run_check"]
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 # Max relative error (max |x - ref| / max |ref|) allowed against the float64 reference.

@@ -49,8 +49,8 @@ __all__ = [
     "LayerPlan",
     "MergedAttention",
     "anchor_costs",
-    "own_anchor_runs",
     "drafter_plans",
+    "own_anchor_runs",
     "plan_attention",
     "reference_attention",
 ]
