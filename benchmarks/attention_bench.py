@@ -53,11 +53,14 @@ def parse_args(argv=None):
     p.add_argument("--schedule", choices=["fused", "overlap"], default=None,
                    help="our modes: one fused call after the gather (default; overlap with --regather), "
                    "or overlap the gather with local attention + LSE merge")
+    p.add_argument("--pack-gqa", choices=["auto", "on", "off"], default="auto",
+                   help="our modes and the reference: GQA head packing in the seam (auto: from the block masks)")
     p.add_argument("--regather", action="store_true",
                    help="our modes: free gathered K/V after forward, gather again in backward (memory)")
     p.add_argument("--profile", action="store_true", help="print the top kernels of one extra step per point")
     args = p.parse_args(argv)
     args.schedule = resolve_schedule(args.schedule, args.regather)  # the record names the one that ran
+    args.pack = {"auto": None, "on": True, "off": False}[args.pack_gqa]
     return args
 
 
@@ -191,10 +194,10 @@ def _build(mode, seq_len, args, device, communicate=True):
         if dist.get_rank() != 0:
             return None
         plan = bdlm_plan("reference", seq_len, args.block_size, 1)[0]
-        return ShardedAttention(plan, args.block_size, backend=backend), plan.q_rows, plan.kv_rows
+        return ShardedAttention(plan, args.block_size, backend=backend, pack_gqa=args.pack), plan.q_rows, plan.kv_rows
     plan = bdlm_plan(mode, seq_len, args.block_size, dist.get_world_size())[dist.get_rank()]
     attn = ShardedAttention(plan, args.block_size, backend=backend, communicate=communicate, stats=CommStats(),
-                            schedule=args.schedule, regather=args.regather)  # fmt: skip
+                            schedule=args.schedule, regather=args.regather, pack_gqa=args.pack)  # fmt: skip
     return attn, plan.q_rows, plan.kv_rows
 
 
@@ -253,7 +256,7 @@ def run(args) -> list[BenchRecord]:
                 continue
             base = dict(workload="attention", mode=mode, world_size=1 if mode == "reference" else world,
                         context_len=seq_len, block_size=args.block_size, device=device_desc, date=today,
-                        command=command, launch=command, schedule=args.schedule, regather=args.regather, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                        command=command, launch=command, schedule=args.schedule, regather=args.regather, pack_gqa=args.pack_gqa, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                         dtype=str(dtype).removeprefix("torch."), check_rel_err=checks.get(mode))  # fmt: skip
             try:
                 if device.type == "cuda":

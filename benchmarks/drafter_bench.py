@@ -118,6 +118,8 @@ def parse_args(argv=None):
                    help="csbp: one fused attention call after the gather (default; overlap with --regather), "
                    "or overlap the gather with attention over the local keys")
     p.add_argument("--peak-tflops", type=float, default=781.0, help="bf16 GEMM peak per GPU for MFU")
+    p.add_argument("--pack-gqa", choices=["auto", "on", "off"], default="auto",
+                   help="GQA head packing in the attention seam (auto: decided from the block masks)")
     p.add_argument("--check-context", type=int, default=0,
                    help="first check our modes' GPU path against the dense seam at this context (float32; 0: off)")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
@@ -129,6 +131,7 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny CPU run: 2 gloo ranks, dense backend, float32")
     args = p.parse_args(argv)
     args.schedule = resolve_schedule(args.schedule, args.regather)  # the record names the one that ran
+    args.pack = {"auto": None, "on": True, "off": False}[args.pack_gqa]
     return args
 
 
@@ -340,7 +343,8 @@ def components(model, plan, sample, head, embed, objective, env) -> dict[str, fl
 
     out["loss_ms"] = _time(loss_step, env, 1, env.args.iters)
     attention = plan_attention(plan, group=dist.group.WORLD if plan.world_size > 1 else None, backend=env.backend,
-                               communicate=False, stats=CommStats(), schedule=env.args.schedule)  # fmt: skip
+                               communicate=False, stats=CommStats(), schedule=env.args.schedule,
+                               pack_gqa=env.args.pack)  # fmt: skip
     for kind, spec in attention.items():
         lp = plan.layers[kind]
         q = torch.randn(
@@ -411,7 +415,7 @@ def check_backends(args, env, modes) -> dict[str, float]:
             res = drafter_step(
                 model, samples, objective=objective, mode=mode, head_weight=head, embed_weight=embed, step=0,
                 backend=backend, bucket=args.bucket, stats=CommStats(), regather=args.regather,
-                schedule=args.schedule,
+                schedule=args.schedule, pack_gqa=args.pack,
             )  # fmt: skip
             out[backend] = (res.loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         (ref_loss, ref_grads), (loss, grads) = out["dense"], out[env.backend]
@@ -449,7 +453,7 @@ def run_ours(mode, L, N, config, model, head, embed, env, args) -> dict:
         box["res"] = drafter_step(
             model, samples, objective=objective, mode=mode, head_weight=head, embed_weight=embed, step=i,
             backend=env.backend, communicate=communicate, bucket=args.bucket, stats=stats, prepared=prepared,
-            regather=args.regather, schedule=args.schedule,
+            regather=args.regather, schedule=args.schedule, pack_gqa=args.pack,
         )  # fmt: skip
 
     for _ in range(args.warmup):
@@ -580,7 +584,7 @@ def run_points(args, env, points):
     for mode, L, N in points:
         base = {"workload": f"drafter-{name}", "mode": mode, "world_size": 1 if mode == "specforge" else env.world,
                     "context_len": L, "block_size": config.draft_block_size, "anchors": N, "dflash2": config.is_dflash2,
-                    "regather": args.regather, "schedule": args.schedule,
+                    "regather": args.regather, "schedule": args.schedule, "pack_gqa": args.pack_gqa,
                     **({"check_rel_err": checked[mode]} if mode in checked else {}),
                     "device": env.name, "date": datetime.date.today().isoformat(), "command": command_line(env)}  # fmt: skip
         try:

@@ -28,10 +28,12 @@ def _cases(world):
         for i, (L, S) in enumerate(SHAPES[world]):
             for rule in ("causal", "bidirectional"):
                 h, k = HEADS[i % 2]
-                # the fused schedule (one seam call, no merge) on alternating cases; BP has no gather
+                # the fused schedule (one seam call, no merge) on alternating cases; BP has no gather;
+                # GQA head packing (a layout transform inside the seam) on the GQA causal cases
                 schedule = "fused" if (i + (rule == "causal")) % 2 and mode != "bp" else "overlap"
                 yield CheckCase(mode, L, S, heads=h, kv_heads=k, head_dim=8, clean_within_block=rule, batch=2,
-                                seed=i, schedule=schedule, regather=schedule == "overlap" and i == 1)  # fmt: skip
+                                seed=i, schedule=schedule, regather=schedule == "overlap" and i == 1,
+                                pack_gqa=True if h != k and rule == "causal" else None)  # fmt: skip
 
 
 def _worker(rank, world, out_dir):

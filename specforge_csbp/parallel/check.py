@@ -38,6 +38,7 @@ class CheckCase:
     seed: int = 0
     schedule: str | None = None  # None: the executor's default (fused; overlap when regather)
     regather: bool = False
+    pack_gqa: bool | None = None  # the seam's GQA head packing (None: decided per call)
 
     def validate(self, world_size: int) -> None:
         check_bdlm_shape(self.mode, self.seq_len, self.block_size, world_size)
@@ -92,7 +93,7 @@ def _run_rank(case: CheckCase, plan, group, device, stats: CommStats):
     )
     attn = ShardedAttention(
         plan, case.block_size, clean_within_block=case.clean_within_block, group=group, stats=stats,
-        schedule=case.schedule, regather=case.regather,
+        schedule=case.schedule, regather=case.regather, pack_gqa=case.pack_gqa,
     )  # fmt: skip
     out, lse = attn(lq, lk, lv)
     primary = plan.q_primary.to(device)

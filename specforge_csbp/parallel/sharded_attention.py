@@ -69,6 +69,7 @@ class ShardedAttention:
         stats: CommStats = COMM_STATS,
         schedule: str | None = None,
         regather: bool = False,
+        pack_gqa: bool | None = None,
     ):
         schedule = resolve_schedule(schedule, regather)
         if plan.world_size > 1:
@@ -77,6 +78,7 @@ class ShardedAttention:
                 raise ValueError(f"world_size: plan has {plan.world_size} ranks, process group has {group_size}")
         self.plan, self.group, self.backend, self.schedule = plan, group, backend, schedule
         self.regather = regather  # free gathered K/V after forward; gather again in backward
+        self.seam = dict(backend=backend, pack_gqa=pack_gqa)  # GQA head packing: None = the seam decides
         rule = dict(clean_within_block=clean_within_block, window=window, noisy_causal=noisy_causal)
         self.local = Visibility(plan.q_tokens, plan.kv_tokens, block_size, **rule)
         self.remote = Visibility(plan.q_tokens, plan.remote_kv_tokens, block_size, **rule) if plan.communicates else None
@@ -88,17 +90,17 @@ class ShardedAttention:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self._gather is None:
-            return partial_attention(q, k, v, self.local, scale=scale, backend=self.backend)
+            return partial_attention(q, k, v, self.local, scale=scale, **self.seam)
         handle = self.last_gather = self._gather.start(k, v, self.plan.shared, self.plan.gather_len)
         if self.schedule == "fused":
             k_all, v_all = handle.wait()
             # the cat copies, so the gathered buffer itself is not saved for backward (the concatenation is)
             k_cat, v_cat = torch.cat([k, k_all], dim=2), torch.cat([v, v_all], dim=2)
-            return partial_attention(q, k_cat, v_cat, self.fused, scale=scale, backend=self.backend)
-        out, lse = partial_attention(q, k, v, self.local, scale=scale, backend=self.backend)
+            return partial_attention(q, k_cat, v_cat, self.fused, scale=scale, **self.seam)
+        out, lse = partial_attention(q, k, v, self.local, scale=scale, **self.seam)
         k_all, v_all = handle.wait()
         with handle.regather_saved() if self.regather else contextlib.nullcontext():
-            out_r, lse_r = partial_attention(q, k_all, v_all, self.remote, scale=scale, backend=self.backend)
+            out_r, lse_r = partial_attention(q, k_all, v_all, self.remote, scale=scale, **self.seam)
         return merge_partials(out, lse, out_r, lse_r)
 
 

@@ -314,16 +314,18 @@ def plan_attention(
     stats: CommStats = COMM_STATS,
     regather: bool = False,
     schedule: str | None = None,
+    pack_gqa: bool | None = None,
 ) -> dict[str, LayerAttention]:
     """The model's `attention` argument for this rank's plan (one executor per layer type).
     `regather`: free each layer's gathered context K/V after forward and gather it again in backward.
-    `schedule`: ShardedAttention's ("fused" by default, "overlap" when regather)."""
+    `schedule`: ShardedAttention's ("fused" by default, "overlap" when regather); `pack_gqa`: the seam's
+    GQA head packing (None: decided per call from the block masks)."""
     out = {}
     for kind, lp in plan.layers.items():
         attn = ShardedAttention(
             lp.shard, plan.block_size, window=lp.window, noisy_causal=lp.noisy_causal,
             group=group if plan.world_size > 1 else None, backend=backend, communicate=communicate, stats=stats,
-            regather=regather, schedule=schedule,
+            regather=regather, schedule=schedule, pack_gqa=pack_gqa,
         )  # fmt: skip
         if lp.merge:
             attn = MergedAttention(attn, group, stats, communicate)

@@ -140,6 +140,7 @@ def drafter_step(
     prepared: Work | None = None,
     regather: bool = False,
     schedule: str | None = None,
+    pack_gqa: bool | None = None,
 ) -> StepResult:
     """Forward + backward of one step; gradients land in model parameters (summed over the group).
     `prepared`: this step's `prepare_step(...)` result, if computed ahead of time."""
@@ -175,7 +176,7 @@ def drafter_step(
         feats = load_context(sample, plan.ctx_intervals, device, dtype, model.fc.in_features)
         attention = plan_attention(
             plan, group=group, backend=backend, communicate=communicate, stats=stats, regather=regather,
-            schedule=schedule,
+            schedule=schedule, pack_gqa=pack_gqa,
         )
         emb = F.embedding(blocks.draft_ids.to(device).reshape(1, -1), embed_weight).to(dtype)
         pos = (blocks.anchors[:, None] + torch.arange(S)).reshape(-1)
