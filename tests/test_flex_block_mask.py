@@ -5,7 +5,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from specforge_csbp.attention import partial_attention
-from specforge_csbp.attention.flex import block_mask_for
+from specforge_csbp.attention.flex import block_mask_for, tile_status
 from specforge_csbp.layout import bdlm_plan
 from specforge_csbp.masks import Visibility
 
@@ -38,3 +38,44 @@ def test_flex_forward_with_our_block_mask_equals_the_dense_seam():
     out = flex_attention(q, k, v, block_mask=block_mask_for(vis, torch.device("cpu")), enable_gqa=True)
     ref, _ = partial_attention(q, k, v, vis, backend="dense")
     assert torch.allclose(out, ref, atol=1e-5, rtol=0)
+
+
+def _drafter_visibilities():
+    from specforge_csbp.models.dflash import drafter_plans, make_dflash_config
+    from specforge_csbp.objectives.dflash import DFlashObjective, sample_anchors
+
+    for causal in (None, False):  # a window of one block: late slots see little context
+        cfg = make_dflash_config(
+            hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=8, vocab_size=32, num_target_layers=3, target_layer_ids=[1], mask_token_id=31, block_size=8,
+            layer_types=["sliding_attention", "full_attention"], sliding_window=8, is_causal=causal,
+        )  # fmt: skip
+        anchors = sample_anchors(torch.ones(700), DFlashObjective(num_anchors=40), block_size=8)
+        for mode, P in (("reference", 1), ("csbp", 2), ("cp", 3)):
+            for plan in drafter_plans(mode, 700, anchors, cfg, P, bucket=64):
+                for lp in plan.layers.values():
+                    for keys in (lp.shard.kv_tokens, lp.shard.remote_kv_tokens):
+                        yield Visibility(lp.shard.q_tokens, keys, 8, window=lp.window, noisy_causal=lp.noisy_causal)
+                        # a window shorter than the block (the rule allows it): late slots' ranges are empty
+                        yield Visibility(lp.shard.q_tokens, keys, 8, window=3, noisy_causal=lp.noisy_causal)
+
+
+@pytest.mark.parametrize("q_tile,budget", [(128, 1 << 27), (32, 1 << 27), (128, 1 << 10)])
+def test_counted_tile_status_equals_the_dense_mask(q_tile, budget):
+    """tile_status counts visible keys per tile by binary search; the dense mask is the rule pair by pair."""
+    n = 0
+    big = bdlm_plan("csbp", 1024, 64, 2)[1]  # many full tiles
+    extra = [Visibility(big.q_tokens, big.kv_tokens, 64), Visibility(big.q_tokens, big.remote_kv_tokens, 64)]
+    for vis in filter(None, [*_visibilities(), *_drafter_visibilities(), *extra]):
+        if not len(vis.k):
+            continue
+        nq, nk = len(vis.q), len(vis.k)
+        n_qt, n_kt = -(-nq // q_tile), -(-nk // 128)
+        dense = torch.zeros(n_qt * q_tile, n_kt * 128, dtype=torch.bool)
+        dense[:nq, :nk] = vis.dense()
+        tiles = dense.view(n_qt, q_tile, n_kt, 128)
+        any_visible, all_visible = tile_status(vis, torch.device("cpu"), q_tile=q_tile, budget=budget)
+        assert torch.equal(any_visible, tiles.any(3).any(1))
+        assert torch.equal(all_visible, tiles.all(3).all(1))
+        n += int(all_visible.sum())
+    assert n > 10  # full tiles occur, so the 'all' count is exercised

@@ -52,26 +52,39 @@ def tile_status(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(any, all) bool [n_q_tiles, n_kv_tiles]: does some / every (query, key) pair of a tile see each other.
 
-    Built chunk by chunk from the rule, never materialising [Nq, Nk]: at most `budget` elements exist at a
-    time. The token sets are padded with PAD rows to whole tiles; PAD rows/columns see nothing, so a tile
-    holding padding is never "all" (the kernel then applies mask_mod there, like create_block_mask's edge
-    tiles). `q_tile` may be smaller than the kernel's tile: GQA packing (packing.py) reads the tile status
-    of its packed rows from chunks of original rows, and the unpacked status is the OR/AND over chunks.
+    Counted, not evaluated pair by pair: a query sees the keys whose coordinate lies in its two ranges
+    (masks/visibility.py), so with each kv tile's coordinates sorted, binary search gives how many of the
+    tile's keys a query sees - "any" is a count > 0, "all" a count equal to the tile width. That is
+    O(Nq x kv tiles x log kv_tile) work instead of O(Nq x Nk), and at most `budget` counts exist at a time.
+
+        kv tile t, sorted x:  [ 3  4  5  6 ... ]      query [lo, hi) = [4, 9):  count = #x in [4, 9)
+                                                      (+ its noisy range, disjoint from the clean one)
+
+    The token sets are padded with PAD rows to whole tiles; PAD rows/columns see nothing, so a tile holding
+    padding is never "all" (the kernel then applies mask_mod there, like create_block_mask's edge tiles).
+    `q_tile` may be smaller than the kernel's tile: GQA packing (packing.py) reads the tile status of its
+    packed rows from chunks of original rows, and the unpacked status is the OR/AND over chunks.
     """
     nq, nk = len(vis.q), len(vis.k)
     n_qt, n_kt = -(-nq // q_tile), -(-nk // kv_tile)
     padded = dataclasses.replace(vis, q=vis.q.padded(n_qt * q_tile), k=vis.k.padded(n_kt * kv_tile), _cache={})
     x, ranges = padded.tables(device)
+    keys = x.view(n_kt, kv_tile).sort(dim=1).values
     any_visible = torch.empty(n_qt, n_kt, dtype=torch.bool, device=device)
     all_visible = torch.empty(n_qt, n_kt, dtype=torch.bool, device=device)
-    rows_per_chunk = max(1, budget // (q_tile * n_kt * kv_tile))
-    for lo in range(0, n_qt, rows_per_chunk):
-        hi = min(lo + rows_per_chunk, n_qt)
-        rows = slice(lo * q_tile, hi * q_tile)
-        dense = visible(x[None, :], *(t[rows, None] for t in ranges)).view(hi - lo, q_tile, n_kt, kv_tile)
-        any_visible[lo:hi] = dense.any(dim=3).any(dim=1)
-        all_visible[lo:hi] = dense.all(dim=3).all(dim=1)
-        del dense
+    tiles_per_chunk = max(1, budget // (q_tile * n_kt))
+
+    def inside(lo, hi):  # [n_kt, rows]: keys of each kv tile with lo <= x < hi (0 for empty ranges)
+        first, end = (torch.searchsorted(keys, t.expand(n_kt, t.numel()).contiguous()) for t in (lo, hi))
+        return (end - first).clamp_min(0)
+
+    for first in range(0, n_qt, tiles_per_chunk):
+        last = min(first + tiles_per_chunk, n_qt)
+        lo, hi, noisy_lo, noisy_hi = (t[first * q_tile : last * q_tile] for t in ranges)
+        seen = inside(lo, hi) + inside(noisy_lo, noisy_hi)  # the two ranges are disjoint
+        seen = seen.view(n_kt, last - first, q_tile)
+        any_visible[first:last] = (seen > 0).any(dim=2).t()
+        all_visible[first:last] = (seen == kv_tile).all(dim=2).t()
     return any_visible, all_visible
 
 
