@@ -1,7 +1,7 @@
 """FlexAttention tile density of the DFlash drafter's attention, without and with GQA head packing (CPU).
 
-    python scripts/tile_density.py                        # 128K x {512, 2048} anchors (~6 min, 2 cores)
-    python scripts/tile_density.py --contexts 512K,1M --anchors 512 --max-rows-x-context 0  # ~5 + ~10 min
+    python scripts/tile_density.py                        # 128K x {512, 2048} anchors (~15 s, 2 cores)
+    python scripts/tile_density.py --contexts 128K,512K,1M --anchors 512,2048 --max-rows-x-context 0  # ~1 min
     python scripts/tile_density.py --smoke                # tiny shapes, seconds
 
 For every rank and layer kind of the csbp and cp plans (P = 2, block 16, bucket 4096, H = 32, Kh = 8,
@@ -10,9 +10,8 @@ prints the visible (query, key) pairs per head, the 128x128 tiles the kernel vis
 (H unpacked, Kh packed: a packed tile holds 32 rows x 4 heads), the density pairs x H / (tiles x heads x
 128 x 128), and whether the automatic rule (`attention.packing.should_pack`) packs. csbp rows add the local
 and the gathered-keys calls. Both block masks come from one pass of the rule over 32-row chunks
-(`packing.tile_counts`), so the cost is one unpacked mask build per call: about 1 min for the 128K x 512 point
-on 2 cores, growing with (block rows x context): 128K x 2048 ~5 min, 512K x 512 ~5 min, 1M x 512 ~10 min
-(estimates); points above --max-rows-x-context are skipped unless it is raised.
+(`packing.tile_counts`, counted per kv tile by binary search): seconds per point on 2 cores (512K x 512: 6 s,
+1M x 512: 10 s); points above --max-rows-x-context are skipped unless it is raised.
 """
 
 from __future__ import annotations
