@@ -212,3 +212,12 @@ def test_direct_entry_plans_torchrun_workers_that_run_this_package(tmp_path, cap
         "specforge-csbp train: error: --cp-size 3 does not divide the world size 2 "
         "(deployment.trainer.nnodes=1 x deployment.trainer.nproc_per_node=2)"
     )
+
+
+@pytest.mark.parametrize("context", ["256k", "512k", "1m"])
+def test_long_context_recipes_resolve(context):
+    """The shipped long-context recipes stay valid SpecForge configs with their csbp sections."""
+    run = prepare_run(os.path.join(ROOT, "examples", "long_context", f"qwen3.6-27b-dflash2-{context}.yaml"), [],
+                      csbp=True)  # fmt: skip
+    assert (run.strategy, run.world_size, run.cp_size, run.dp_replicas) == ("dflash2-csbp", 2, 2, 1)
+    assert run.options.regather is (context == "1m")  # the 1M recipe trades one all-gather for memory
