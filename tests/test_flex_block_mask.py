@@ -8,6 +8,7 @@ from specforge_csbp.attention import partial_attention
 from specforge_csbp.attention.flex import block_mask_for, tile_status
 from specforge_csbp.layout import bdlm_plan
 from specforge_csbp.masks import Visibility
+from mask_cases import drafter_shards
 
 
 def _visibilities():
@@ -41,23 +42,11 @@ def test_flex_forward_with_our_block_mask_equals_the_dense_seam():
 
 
 def _drafter_visibilities():
-    from specforge_csbp.models.dflash import drafter_plans, make_dflash_config
-    from specforge_csbp.objectives.dflash import DFlashObjective, sample_anchors
-
-    for causal in (None, False):  # a window of one block: late slots see little context
-        cfg = make_dflash_config(
-            hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-            head_dim=8, vocab_size=32, num_target_layers=3, target_layer_ids=[1], mask_token_id=31, block_size=8,
-            layer_types=["sliding_attention", "full_attention"], sliding_window=8, is_causal=causal,
-        )  # fmt: skip
-        anchors = sample_anchors(torch.ones(700), DFlashObjective(num_anchors=40), block_size=8)
-        for mode, P in (("reference", 1), ("csbp", 2), ("cp", 3)):
-            for plan in drafter_plans(mode, 700, anchors, cfg, P, bucket=64):
-                for lp in plan.layers.values():
-                    for keys in (lp.shard.kv_tokens, lp.shard.remote_kv_tokens):
-                        yield Visibility(lp.shard.q_tokens, keys, 8, window=lp.window, noisy_causal=lp.noisy_causal)
-                        # a window shorter than the block (the rule allows it): late slots' ranges are empty
-                        yield Visibility(lp.shard.q_tokens, keys, 8, window=3, noisy_causal=lp.noisy_causal)
+    # a window of one block: late slots see little context
+    for q, keys, window, causal in drafter_shards(700, 40, 8, 8, (("reference", 1), ("csbp", 2), ("cp", 3)), 64):
+        yield Visibility(q, keys, 8, window=window, noisy_causal=causal)
+        # a window shorter than the block (the rule allows it): late slots' ranges are empty
+        yield Visibility(q, keys, 8, window=3, noisy_causal=causal)
 
 
 @pytest.mark.parametrize("q_tile,budget", [(128, 1 << 27), (32, 1 << 27), (128, 1 << 10)])

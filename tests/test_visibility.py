@@ -8,6 +8,7 @@ import torch
 from specforge_csbp.layout import CLEAN, NOISY, TokenSet, bdlm_plan
 from specforge_csbp.masks import Visibility
 from specforge_csbp.masks.visibility import CLEAN_RULES
+from mask_cases import drafter_shards
 
 
 def rule_by_loops(L, S, bidirectional):
@@ -95,26 +96,13 @@ def _token_rule(q, k, S, bidirectional, window=None, noisy_causal=False):
 
 
 def _pairs_of_token_sets():
-    from specforge_csbp.models.dflash import drafter_plans, make_dflash_config
-    from specforge_csbp.objectives.dflash import DFlashObjective, sample_anchors
-
     for mode, L, S, P in [("reference", 40, 4, 1), ("csbp", 48, 4, 3), ("cp", 36, 3, 2), ("bp", 64, 8, 2)]:
         for plan in bdlm_plan(mode, L, S, P):
             for keys in (plan.kv_tokens, plan.remote_kv_tokens):
                 for rule in CLEAN_RULES:
                     yield plan.q_tokens, keys.padded(len(keys) + 3), S, rule, None, False
-    for causal in (None, False):
-        cfg = make_dflash_config(
-            hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-            head_dim=8, vocab_size=32, num_target_layers=3, target_layer_ids=[1], mask_token_id=31, block_size=4,
-            layer_types=["sliding_attention", "full_attention"], sliding_window=9, is_causal=causal,
-        )  # fmt: skip
-        anchors = sample_anchors(torch.ones(90), DFlashObjective(num_anchors=11), block_size=4)
-        for mode, P in (("reference", 1), ("csbp", 3), ("cp", 2)):
-            for plan in drafter_plans(mode, 90, anchors, cfg, P, bucket=8):
-                for lp in plan.layers.values():
-                    for keys in (lp.shard.kv_tokens, lp.shard.remote_kv_tokens):
-                        yield lp.shard.q_tokens.padded(len(lp.shard.q_tokens) + 2), keys, 4, "causal", lp.window, lp.noisy_causal
+    for q, keys, window, causal in drafter_shards(90, 11, 4, 9, (("reference", 1), ("csbp", 3), ("cp", 2)), 8):
+        yield q.padded(len(q) + 2), keys, 4, "causal", window, causal
 
 
 def test_ranges_equal_the_rule_stated_per_token_field():

@@ -5,12 +5,10 @@ Block masks are cached on the Visibility object, so a plan built once per step s
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
 
-from ..layout.tokens import TokenSet
 from ..masks.visibility import Visibility, visible
 
 __all__ = [
@@ -43,10 +41,6 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=None)
 
 
-def _padded(tokens: TokenSet, length: int, device) -> TokenSet:
-    return tokens.padded(length).to(device)
-
-
 def tile_status(
     vis: Visibility, device: torch.device, *, q_tile: int = 128, kv_tile: int = 128, budget: int = 1 << 27
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,8 +61,7 @@ def tile_status(
     """
     nq, nk = len(vis.q), len(vis.k)
     n_qt, n_kt = -(-nq // q_tile), -(-nk // kv_tile)
-    padded = dataclasses.replace(vis, q=vis.q.padded(n_qt * q_tile), k=vis.k.padded(n_kt * kv_tile), _cache={})
-    x, ranges = padded.tables(device)
+    x, ranges = vis.tables(device, q_len=n_qt * q_tile, k_len=n_kt * kv_tile)
     keys = x.view(n_kt, kv_tile).sort(dim=1).values
     any_visible = torch.empty(n_qt, n_kt, dtype=torch.bool, device=device)
     all_visible = torch.empty(n_qt, n_kt, dtype=torch.bool, device=device)
@@ -94,8 +87,6 @@ def block_mask_from_status(vis: Visibility, any_visible, all_visible, device: to
     from torch.nn.attention.flex_attention import BlockMask
 
     n_qt, n_kt = any_visible.shape
-    q, k = _padded(vis.q, n_qt * tile, device), _padded(vis.k, n_kt * tile, device)
-    padded_vis = dataclasses.replace(vis, q=q, k=k, _cache={})
     full = all_visible & any_visible
     partial = any_visible & ~full
 
@@ -107,7 +98,7 @@ def block_mask_from_status(vis: Visibility, any_visible, all_visible, device: to
     kv_num, kv_idx = blocks(partial)
     full_num, full_idx = blocks(full)
     return BlockMask.from_kv_blocks(
-        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile, mask_mod=padded_vis.mask_mod(device),
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile, mask_mod=vis.mask_mod(device, q_len=n_qt * tile, k_len=n_kt * tile),
         seq_lengths=(len(vis.q), len(vis.k)),
     )  # fmt: skip
 

@@ -144,13 +144,24 @@ class Visibility:
     def bidirectional(self) -> bool:
         return self.clean_within_block == "bidirectional"
 
-    def tables(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.int64):
-        """(key coordinates [Nk], query ranges [4, Nq]) on `device` (cached)."""
-        key = ("tables", str(device), dtype)
+    def tables(
+        self,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.int64,
+        *,
+        q_len: int | None = None,
+        k_len: int | None = None,
+    ):
+        """(key coordinates [k_len], query ranges [4, q_len]) on `device` (cached). Lengths beyond the token
+        sets (whole kernel tiles) are PAD rows: coordinate PAD_COORD, empty ranges - they see nothing."""
+        q_len, k_len = q_len or len(self.q), k_len or len(self.k)
+        key = ("tables", str(device), dtype, q_len, k_len)
         if key not in self._cache:
-            x = key_coordinates(self.k, self.block_size)
-            r = query_ranges(self.q, self.block_size, bidirectional=self.bidirectional, window=self.window,
-                             noisy_causal=self.noisy_causal)  # fmt: skip
+            x = torch.full((k_len,), PAD_COORD, dtype=torch.long)
+            x[: len(self.k)] = key_coordinates(self.k, self.block_size)
+            r = torch.zeros(4, q_len, dtype=torch.long)
+            r[:, : len(self.q)] = query_ranges(self.q, self.block_size, bidirectional=self.bidirectional,
+                                               window=self.window, noisy_causal=self.noisy_causal)  # fmt: skip
             self._cache[key] = (x.to(device=device, dtype=dtype), r.to(device=device, dtype=dtype))
         return self._cache[key]
 
@@ -162,10 +173,12 @@ class Visibility:
             self._cache[key] = visible(x[None, :], *(t[:, None] for t in r))
         return self._cache[key]
 
-    def mask_mod(self, device: torch.device | str) -> Callable[..., torch.Tensor]:
+    def mask_mod(
+        self, device: torch.device | str, *, q_len: int | None = None, k_len: int | None = None
+    ) -> Callable[..., torch.Tensor]:
         """FlexAttention mask_mod(b, h, q_idx, kv_idx) evaluating the same rule: one int32 lookup per key,
-        four per query row, four compares per element."""
-        x, (lo, hi, noisy_lo, noisy_hi) = self.tables(device, torch.int32)
+        four per query row, four compares per element (indices up to q_len / k_len: PAD beyond the sets)."""
+        x, (lo, hi, noisy_lo, noisy_hi) = self.tables(device, torch.int32, q_len=q_len, k_len=k_len)
 
         def mask_mod(b, h, q_idx, kv_idx):
             return visible(x[kv_idx], lo[q_idx], hi[q_idx], noisy_lo[q_idx], noisy_hi[q_idx])

@@ -81,10 +81,11 @@ class ShardedAttention:
         self.seam = dict(backend=backend, pack_gqa=pack_gqa)  # GQA head packing: None = the seam decides
         rule = dict(clean_within_block=clean_within_block, window=window, noisy_causal=noisy_causal)
         self.local = Visibility(plan.q_tokens, plan.kv_tokens, block_size, **rule)
-        self.remote = Visibility(plan.q_tokens, plan.remote_kv_tokens, block_size, **rule) if plan.communicates else None
-        self._gather = KVGather(group, stats=stats, communicate=communicate) if self.remote else None
-        if self.remote is not None and schedule == "fused":
+        self._gather = KVGather(group, stats=stats, communicate=communicate) if plan.communicates else None
+        if plan.communicates and schedule == "fused":  # one call over [local ++ gathered] keys
             self.fused = Visibility(plan.q_tokens, TokenSet.cat([plan.kv_tokens, plan.remote_kv_tokens]), block_size, **rule)
+        elif plan.communicates:  # a second call over the gathered keys, merged with the local one
+            self.remote = Visibility(plan.q_tokens, plan.remote_kv_tokens, block_size, **rule)
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None
