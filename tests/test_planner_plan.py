@@ -64,6 +64,23 @@ def test_cost_model_follows_the_layouts():
     assert dcp.breakdown_ms["loss"] == pytest.approx(4 * dc.breakdown_ms["loss"], rel=0.05)  # CP duplicates
 
 
+def test_tokens_per_s_counts_what_the_trainer_and_benchmarks_count():
+    """BDLM: the sequence's tokens (BDLMWorkload.tokens_per_step, bdlm_bench's denominator on fully supervised
+    data), not the E[t] share the SFT loss masks; drafter: supervised draft tokens N x (S - 1)."""
+    from specforge_csbp.models.bdlm.workload import BDLMWorkload
+
+    shape, L = load_shape(LM), 8192
+    for workload in ("sft", "convert"):
+        for layout in (Layout(1, 1, "dp"), Layout(2, 2, "csbp")):
+            p = predict(shape, workload, L, layout, PROFILE, 1e9)
+            assert p.tokens_per_s == pytest.approx(layout.dp * L / (p.step_ms / 1e3))
+    ctx = type("Ctx", (), {"global_batch": 3})()
+    assert BDLMWorkload.tokens_per_step(type("W", (), {"seq_len": L})(), ctx) == 3 * L  # the trainer's count
+    d, opts = load_shape(DRAFTER), Options(anchors=64)
+    p = predict(d, "drafter", 16384, Layout(2, 2, "csbp"), PROFILE, 1e9, opts)
+    assert p.tokens_per_s == pytest.approx(2 * 64 * (opts.block_size - 1) / (p.step_ms / 1e3))
+
+
 def test_plan_cli_prints_every_layout_and_is_deterministic(files, capsys):
     args = ["plan", "--model", str(files / "lm.json"), "--context", "4K", "--gpus", "4", "--gpu-mem", "0.1",
             "--profile", str(files / "profile.json"), "--no-scaling", "--json", str(files / "p.json")]  # fmt: skip

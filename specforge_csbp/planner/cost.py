@@ -129,8 +129,9 @@ def _bdlm(shape, workload, context, layout, profile, opt) -> Prediction:
          for s in stats),
         key=lambda m: m.total,
     )  # fmt: skip
-    supervised = context * (opt.sft_mask_fraction if workload == "sft" else 1.0)
-    return _finish(shape, layout, profile, opt, compute_s, parts, mem, supervised, nl)
+    # tokens/s counts the sequence's tokens, as the trainer (BDLMWorkload.tokens_per_step) and
+    # benchmarks/bdlm_bench.py do - not the E[t] share the loss supervises
+    return _finish(shape, layout, profile, opt, compute_s, parts, mem, context, nl)
 
 
 def _drafter(shape, context, layout, profile, opt) -> Prediction:
@@ -188,7 +189,7 @@ def _optimizer_s(shape: ModelShape, profile: MachineProfile, opt: Options) -> fl
     return shape.trainable_params * ADAMW_BYTES_PER_PARAM / (profile.adamw_gbps * 1e9)
 
 
-def _finish(shape, layout, profile, opt, compute_s, parts, mem, supervised, layers) -> Prediction:
+def _finish(shape, layout, profile, opt, compute_s, parts, mem, tokens, layers) -> Prediction:
     launch = layers * KERNELS_PER_LAYER * profile.launch_overhead_us * 1e-6
     sync = _grad_sync_ms(shape, layout.gpus, profile) / 1e3
     backward = compute_s * 2 / 3
@@ -200,7 +201,7 @@ def _finish(shape, layout, profile, opt, compute_s, parts, mem, supervised, laye
     if optimizer is not None:
         breakdown["optimizer"] = optimizer * 1e3
     return Prediction(
-        layout=layout, step_ms=step * 1e3, tokens_per_s=layout.dp * supervised / step, peak_gib=mem.total,
+        layout=layout, step_ms=step * 1e3, tokens_per_s=layout.dp * tokens / step, peak_gib=mem.total,
         breakdown_ms=breakdown, memory=mem,
     )  # fmt: skip
 
