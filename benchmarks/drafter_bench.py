@@ -60,7 +60,7 @@ from specforge_csbp.models.dflash import (
     make_dflash_config,
     plan_attention,
 )
-from specforge_csbp.models.dflash.sharding import reference_attention
+from specforge_csbp.models.dflash.sharding import prepare_plan_attention, reference_attention
 from specforge_csbp.models.dflash.step import prepare_step
 from specforge_csbp.objectives.dflash import DFlashObjective, block_targets, loss_terms, sample_anchors
 from specforge_csbp.parallel.sharded_attention import resolve_schedule
@@ -295,8 +295,11 @@ def profile_once(step, env, title: str) -> None:
     )
 
 
-def components(model, plan, sample, head, embed, objective, env) -> dict[str, float]:
-    """This rank's share of one step, piece by piece (forward + backward each; collectives off)."""
+def components(model, plan, sample, head, embed, objective, env, fresh_plans=()) -> dict[str, float]:
+    """This rank's share of one step, piece by piece (forward + backward each; collectives off).
+    `prep_ms`: building one step's attention executors and all their masks (tables, GQA packing decision,
+    block masks) for a plan not seen before - `fresh_plans` (anchors of other steps) - which a real step
+    does inside its forward pass and the attention pieces here (masks cached) do not."""
     cfg, S = model.config, model.block_size
     dev, dt = env.device, env.dtype
     feats = [sample.features(lo, hi)[None] for lo, hi in plan.ctx_intervals]  # pieces, as the step reads them
@@ -374,6 +377,18 @@ def components(model, plan, sample, head, embed, objective, env) -> dict[str, fl
         out[f"attn_{kind.split('_')[0]}_ms"] = _time(
             attn_step, env, 1, env.args.iters
         ) * cfg.layer_types.count(kind)
+    prep = []
+    for fresh in fresh_plans:
+        env.sync()
+        t = time.perf_counter()
+        fresh_attention = plan_attention(fresh, group=dist.group.WORLD if fresh.world_size > 1 else None,
+                                         backend=env.backend, communicate=False, stats=CommStats(),
+                                         schedule=env.args.schedule, pack_gqa=env.args.pack)  # fmt: skip
+        prepare_plan_attention(fresh_attention, dev, cfg.num_attention_heads // cfg.num_key_value_heads)
+        env.sync()
+        prep.append(1e3 * (time.perf_counter() - t))
+    if prep:
+        out["prep_ms"] = statistics.median(prep)
     model.zero_grad(set_to_none=True)
     return out
 
@@ -483,7 +498,8 @@ def run_ours(mode, L, N, config, model, head, embed, env, args) -> dict:
     if args.components and mode != "dp":
         plan = res.plans[0]
         sample = next(s for s in samples if s.features is not None)
-        comp = components(model, plan, sample, head, embed, objective, env)
+        fresh = [prepare(1000 + j)[0][1] for j in range(args.iters)]  # plans of steps not run yet
+        comp = components(model, plan, sample, head, embed, objective, env, fresh)
         rec["components_ms"] = {k: env.reduce(v) for k, v in comp.items()}
         attn = sum(v for k, v in comp.items() if k.startswith("attn_"))
         if P > 1:

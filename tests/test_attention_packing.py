@@ -12,7 +12,7 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 import specforge_csbp.attention.flex as flex_backend
-from specforge_csbp.attention import partial_attention
+from specforge_csbp.attention import partial_attention, prepare_attention
 from specforge_csbp.attention.flex import block_mask_for, tile_visits
 from specforge_csbp.attention.packing import (
     TILE,
@@ -228,3 +228,46 @@ def test_bad_pack_gqa_is_a_value_error():
     k = torch.randn(1, 1, len(vis.k), 4)
     with pytest.raises(ValueError, match="pack_gqa must be one of None, True, False"):
         partial_attention(q, k, k, vis, backend="dense", pack_gqa="yes")
+
+
+@pytest.mark.parametrize("backend,pack", [("dense", False), ("dense", True), ("flex", None), ("flex", False)])
+def test_prepare_builds_what_the_call_needs_and_nothing_changes(eager_flex, backend, pack):
+    """prepare_attention (and ShardedAttention.prepare, which the drafter benchmark times as prep_ms) leaves
+    every mask the seam needs in the caches: the call after it adds no cache entry, and computes exactly
+    what an unprepared call computes."""
+    heads, kv_heads, L = 8, 2, 1024
+    cfg = _drafter_config(None, heads=heads, kv_heads=kv_heads, window=128, block=16)
+    anchors = sample_anchors(torch.ones(L), DFlashObjective(num_anchors=24), block_size=16)
+    lp = drafter_plans("reference", L, anchors, cfg, 1)[0].layers["sliding_attention"]
+
+    def fresh():
+        return Visibility(lp.shard.q_tokens, lp.shard.kv_tokens, 16, window=lp.window, noisy_causal=lp.noisy_causal)
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, heads, len(lp.shard.q_tokens), HEAD_DIM, generator=g)
+    k, v = torch.randn(2, 1, kv_heads, len(lp.shard.kv_tokens), HEAD_DIM, generator=g)
+    prepared, unprepared = fresh(), fresh()
+    chosen = prepare_attention(prepared, groups=heads // kv_heads, device="cpu", backend=backend, pack_gqa=pack)
+    assert chosen[0] == backend and chosen[1] == (should_pack(fresh(), 4, "cpu") if pack is None else pack)
+    built = {key: id(val) for key, val in prepared._cache.items()}
+    with torch.no_grad():
+        out, lse = partial_attention(q, k, v, prepared, backend=backend, pack_gqa=pack)
+        ref, ref_lse = partial_attention(q, k, v, unprepared, backend=backend, pack_gqa=pack)
+    assert {key: id(val) for key, val in prepared._cache.items()} == built  # nothing built in the call
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    if chosen[1]:  # the packed view's own mask was prepared too
+        target = prepared._cache[("gqa_packed", 4, TILE)].vis
+        assert chosen[2] is target and len(target._cache) > 0
+
+
+def test_sharded_attention_prepares_the_visibilities_of_its_schedule():
+    from specforge_csbp.models.dflash.sharding import reference_attention
+
+    cfg = _drafter_config(None, heads=4, kv_heads=2, window=37, block=4)
+    anchors = sample_anchors(torch.ones(300), DFlashObjective(num_anchors=13), block_size=4)
+    attention = reference_attention(cfg, anchors, torch.arange(300), backend="dense")
+    for layer in attention.values():
+        sharded = layer.attend
+        assert sharded.visibilities == (sharded.local,)  # one process: no gathered keys
+        sharded.prepare("cpu", 2)
+        assert any(key[0] == "dense" for key in sharded.local._cache)

@@ -24,6 +24,6 @@ def test_drafter_bench_smoke(tmp_path):
         assert extra["anchors"] == 13 and extra["mfu"] > 0
         if r.mode in ("csbp", "cp") and r.world_size == 2:
             assert r.exposed_comm_ms is not None and extra["comm_bytes_per_step"] > 0
-            assert extra["ceiling"] >= 1.0 and {"ctx_ms", "block_ms", "loss_ms"} <= set(
+            assert extra["ceiling"] >= 1.0 and {"ctx_ms", "block_ms", "loss_ms", "prep_ms"} <= set(
                 extra["components_ms"]
             )

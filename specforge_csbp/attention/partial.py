@@ -18,7 +18,7 @@ from ..masks.visibility import Visibility
 from .dense import dense_attention
 from .packing import pack_q, packed_visibility, should_pack, tile_counts, unpack
 
-__all__ = ["BACKENDS", "check_qkv", "partial_attention"]
+__all__ = ["BACKENDS", "check_qkv", "partial_attention", "prepare_attention"]
 
 BACKENDS = ("auto", "dense", "flex")
 
@@ -57,23 +57,53 @@ def partial_attention(
             f"visibility covers {len(vis.q)} queries x {len(vis.k)} keys; got q tokens {q.shape[2]}, "
             f"k tokens {k.shape[2]}"
         )
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    groups = q.shape[1] // k.shape[1]
+    backend, pack, target = prepare_attention(
+        vis, groups=groups, device=q.device, backend=backend, pack_gqa=pack_gqa
+    )
+    if pack:
+        packed = packed_visibility(vis, groups)
+        out, lse = _attend(pack_q(q, k.shape[1], packed.chunk), k, v, target, scale, backend)
+        return unpack(out, groups, packed.chunk, packed.rows), unpack(lse, groups, packed.chunk, packed.rows)
+    return _attend(q, k, v, target, scale, backend)
+
+
+def prepare_attention(
+    vis: Visibility,
+    *,
+    groups: int,
+    device: torch.device | str,
+    backend: str = "auto",
+    pack_gqa: bool | None = None,
+) -> tuple[str, bool, Visibility]:
+    """Everything `partial_attention` builds for `vis` before its kernels run - the backend, the packing
+    decision, the packed view, the mask tables and the block masks (flex) or dense mask - cached on `vis`.
+    Returns (backend, pack, the visibility the kernel runs with). Calling it ahead of the first attention
+    call of a plan moves that work (CPU tables, tile counting, host syncs) out of the forward pass; the
+    attention computed is the same."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     if pack_gqa not in (None, True, False):
         raise ValueError(f"pack_gqa must be one of None, True, False; got {pack_gqa!r}")
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    device = torch.device(device)
     if backend == "auto":
-        backend = "flex" if q.is_cuda else "dense"
-    groups = q.shape[1] // k.shape[1]
-    if pack_gqa is None:
-        pack_gqa = backend == "flex" and should_pack(vis, groups, q.device)
-    if pack_gqa:
-        packed = packed_visibility(vis, groups)
+        backend = "flex" if device.type == "cuda" else "dense"
+    pack = pack_gqa
+    if pack is None:
+        pack = backend == "flex" and should_pack(vis, groups, device)
+    target = vis
+    if pack:
+        target = packed_visibility(vis, groups).vis
         if backend == "flex":  # both block masks from one pass over chunks of rows (cached on vis)
-            tile_counts(vis, groups, q.device)
-        out, lse = _attend(pack_q(q, k.shape[1], packed.chunk), k, v, packed.vis, scale, backend)
-        return unpack(out, groups, packed.chunk, packed.rows), unpack(lse, groups, packed.chunk, packed.rows)
-    return _attend(q, k, v, vis, scale, backend)
+            tile_counts(vis, groups, device)
+    if backend == "flex":
+        from .flex import block_mask_for
+
+        block_mask_for(target, device)
+    else:
+        target.dense(device)
+    return backend, bool(pack), target
 
 
 def _attend(q, k, v, vis: Visibility, scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,7 +30,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from ..attention import merge_partials, partial_attention
+from ..attention import merge_partials, partial_attention, prepare_attention
 from ..distributed.collectives import COMM_STATS, CommStats, KVGather
 from ..layout.plans import ShardPlan, bdlm_plan
 from ..layout.tokens import TokenSet
@@ -86,6 +86,19 @@ class ShardedAttention:
             self.fused = Visibility(plan.q_tokens, TokenSet.cat([plan.kv_tokens, plan.remote_kv_tokens]), block_size, **rule)
         elif plan.communicates:  # a second call over the gathered keys, merged with the local one
             self.remote = Visibility(plan.q_tokens, plan.remote_kv_tokens, block_size, **rule)
+
+    @property
+    def visibilities(self) -> tuple[Visibility, ...]:
+        """The visibilities this schedule's seam calls run with (fused never calls the local-only one)."""
+        if self._gather is None:
+            return (self.local,)
+        return (self.fused,) if self.schedule == "fused" else (self.local, self.remote)
+
+    def prepare(self, device: torch.device | str, groups: int) -> None:
+        """Build every mask the seam calls will need (tables, packing decision, block masks) now, for
+        query heads per kv head `groups`, instead of inside the first forward call."""
+        for vis in self.visibilities:
+            prepare_attention(vis, groups=groups, device=device, **self.seam)
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None

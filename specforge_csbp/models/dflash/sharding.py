@@ -52,6 +52,7 @@ __all__ = [
     "drafter_plans",
     "own_anchor_runs",
     "plan_attention",
+    "prepare_plan_attention",
     "reference_attention",
 ]
 
@@ -294,6 +295,9 @@ class MergedAttention:
     def __init__(self, local: ShardedAttention, group, stats: CommStats, communicate: bool = True):
         self.local, self.group, self.stats, self.communicate = local, group, stats, communicate
 
+    def prepare(self, device: torch.device | str, groups: int) -> None:
+        self.local.prepare(device, groups)
+
     def __call__(self, q, k, v, *, scale=None):
         out, lse = self.local(q, k, v, scale=scale)
         # every rank's partial result; backward reduce-scatters (each rank's replica fed its own loss copy)
@@ -331,6 +335,13 @@ def plan_attention(
             attn = MergedAttention(attn, group, stats, communicate)
         out[kind] = LayerAttention(attn, lp.ctx_index)
     return out
+
+
+def prepare_plan_attention(attention: Mapping[str, LayerAttention], device: torch.device | str, groups: int) -> None:
+    """Build the masks of every layer type's attention (`plan_attention`'s result) now, for `groups` query
+    heads per kv head: the mask work of a step without its kernels (benchmarks time it as `prep_ms`)."""
+    for layer in attention.values():
+        layer.attend.prepare(device, groups)
 
 
 def reference_attention(
