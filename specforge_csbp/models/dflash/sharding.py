@@ -243,7 +243,8 @@ def drafter_plans(
         kv_rows, kv_tok, shared, index = [], [], [], []
         for r in range(P):
             if window is None:
-                keep, share_pos, idx = ctx_pos[r], ctx_pos[r] if shares else ctx_pos[r][:0], None
+                keep, idx = ctx_pos[r], None
+                shared.append(torch.arange(len(keep)) if shares else keep[:0])  # every context row
             else:
                 in_shard = torch.zeros(L, dtype=torch.bool)
                 in_shard[ctx_pos[r]] = True
@@ -258,11 +259,15 @@ def drafter_plans(
                 share_mask = in_shard & other_need
                 if shares:  # padding rows: in no other rank's window
                     share_mask = _padded(share_mask, keep_mask & ~share_mask, bucket)
-                keep, share_pos = torch.nonzero(keep_mask).flatten(), torch.nonzero(share_mask).flatten()
-                idx = torch.searchsorted(ctx_pos[r], keep)
+                keep = torch.nonzero(keep_mask).flatten()
+                # rows of positions by lookup, not binary search (5x faster at 512K): both are subsets
+                row = torch.empty(L, dtype=torch.long)
+                row[ctx_pos[r]] = torch.arange(len(ctx_pos[r]))
+                idx = row[keep]  # keep's rows in the local context
+                row[keep] = torch.arange(len(keep))
+                shared.append(row[share_mask])  # shared positions' rows in keep (share_mask within keep_mask)
             kv_rows.append(torch.cat([keep, q_rows[r]]))
             kv_tok.append(TokenSet.cat([_ctx_tokens(keep), own_keys[r]]))
-            shared.append(torch.searchsorted(keep, share_pos))
             index.append(idx)
         shards = build_plans(q_rows, q_tok, kv_rows, kv_tok, shared)
         for r in range(P):
