@@ -271,3 +271,19 @@ def test_sharded_attention_prepares_the_visibilities_of_its_schedule():
         assert sharded.visibilities == (sharded.local,)  # one process: no gathered keys
         sharded.prepare("cpu", 2)
         assert any(key[0] == "dense" for key in sharded.local._cache)
+
+
+def test_packed_view_reuses_the_keys_coordinates_and_derives_its_query_ranges_exactly():
+    """packed_visibility seeds its Visibility with the original's key coordinates and the query ranges picked
+    row by row (PAD rows empty); that seed equals computing them afresh from the packed token sets."""
+    for name, vis in list(_bdlm_visibilities())[::2] + list(_drafter_visibilities())[::3]:
+        for groups in (2, 3, 4):
+            packed = packed_visibility(vis, groups).vis
+            fresh = Visibility(packed.q, packed.k, packed.block_size, vis.clean_within_block,
+                               window=vis.window, noisy_causal=vis.noisy_causal)  # fmt: skip
+            assert packed.coordinates() is vis.coordinates(), name  # shared, not recomputed
+            assert torch.equal(packed.ranges(), fresh.ranges()), f"{name} G={groups}"
+            assert torch.equal(packed.coordinates(), fresh.coordinates()), name
+            for got, want in zip(packed.tables("cpu", torch.int32, q_len=len(packed.q) + 7),
+                                 fresh.tables("cpu", torch.int32, q_len=len(packed.q) + 7)):  # fmt: skip
+                assert torch.equal(got, want), name

@@ -71,8 +71,12 @@ def packed_visibility(vis: Visibility, groups: int, *, tile: int = TILE) -> Pack
         n = -(-rows // c)
         index = torch.arange(n * c).view(n, 1, c).expand(n, groups, c).reshape(-1)
         q = vis.q.padded(n * c).select(index)
-        # replace keeps every rule field of Visibility; a fresh cache, or it would share vis's masks
-        vis._cache[key] = PackedVisibility(dataclasses.replace(vis, q=q, _cache={}), groups, c, rows, index)
+        # replace keeps every rule field of Visibility; a fresh cache, or it would share vis's masks - seeded
+        # with what the packing does not change: the keys' coordinates, and the query ranges row by row
+        # (a PAD query row has the empty ranges (0, 0, 0, 0))
+        ranges = torch.nn.functional.pad(vis.ranges(), (0, n * c - rows)).index_select(1, index)
+        seed = {"coordinates": vis.coordinates(), "ranges": ranges}
+        vis._cache[key] = PackedVisibility(dataclasses.replace(vis, q=q, _cache=seed), groups, c, rows, index)
     return vis._cache[key]
 
 

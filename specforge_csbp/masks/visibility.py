@@ -158,12 +158,25 @@ class Visibility:
         key = ("tables", str(device), dtype, q_len, k_len)
         if key not in self._cache:
             x = torch.full((k_len,), PAD_COORD, dtype=torch.long)
-            x[: len(self.k)] = key_coordinates(self.k, self.block_size)
+            x[: len(self.k)] = self.coordinates()
             r = torch.zeros(4, q_len, dtype=torch.long)
-            r[:, : len(self.q)] = query_ranges(self.q, self.block_size, bidirectional=self.bidirectional,
-                                               window=self.window, noisy_causal=self.noisy_causal)  # fmt: skip
+            r[:, : len(self.q)] = self.ranges()
             self._cache[key] = (x.to(device=device, dtype=dtype), r.to(device=device, dtype=dtype))
         return self._cache[key]
+
+    def coordinates(self) -> torch.Tensor:
+        """key_coordinates of `k` (CPU, int64), computed once: every padded / device / dtype variant of the
+        tables, and views sharing these keys (GQA packing), derive from it."""
+        if "coordinates" not in self._cache:
+            self._cache["coordinates"] = key_coordinates(self.k, self.block_size)
+        return self._cache["coordinates"]
+
+    def ranges(self) -> torch.Tensor:
+        """query_ranges of `q` under this rule (CPU, int64, [4, Nq]), computed once."""
+        if "ranges" not in self._cache:
+            self._cache["ranges"] = query_ranges(self.q, self.block_size, bidirectional=self.bidirectional,
+                                                 window=self.window, noisy_causal=self.noisy_causal)  # fmt: skip
+        return self._cache["ranges"]
 
     def dense(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """[Nq, Nk] boolean mask."""
