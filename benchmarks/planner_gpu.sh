@@ -3,7 +3,7 @@
 # Qwen3-8B-shaped drafter (one fresh process per point, OOM recorded). Usage: bash benchmarks/planner_gpu.sh
 # [contexts] [modes] [sweep seconds]. Only records, the profile and a log come back ($OUT holds <= 8 files).
 source benchmarks/gpu_env.sh
-timeout -k 15 120 torchrun --nproc-per-node 2 -m specforge_csbp plan --calibrate --profile-out "$OUT/h200x2.json" \
+timeout -k 15 240 torchrun --nproc-per-node 2 -m specforge_csbp plan --calibrate --profile-out "$OUT/h200x2.json" \
   --model drafter_configs/qwen3-8b-dflash2.json --context 1M --gpus 8 --gpu-mem 141 --workload drafter 2>&1 | grep -v -i warn
 # No pipe after the sweep: a point's process tree runs in its own session and would hold a pipe open.
 # Copy what was recorded even when the time limit stops the sweep (records are appended point by point).

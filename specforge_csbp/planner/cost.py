@@ -12,11 +12,13 @@ forward per recomputed layer under activation checkpointing):
     loss        supervised rows x 2 h V                           (chunked CE: forward, recompute, grads)
     drafter     + fc over the rank's context rows (F x h_t -> h), + context K/V projections per layer
 
-Rates (profile.py; each optional rate falls back to the GEMM rate, so older profiles predict as before):
+Rates (profile.py; each optional rate falls back - token and loss rates to the GEMM rate, drafter attention
+rates to attn_tflops - so older profiles predict as before):
 
     token rate      layer_tflops: a whole eager decoder layer (GEMMs + norms, RoPE, SwiGLU) - GEMMs,
                     drafter fc and context K/V projections
-    attention rate  attn_tflops
+    attention rate  attn_tflops (BDLM); drafter layers: attn_window_tflops (draft blocks over a sliding
+                    window) / attn_draft_tflops (over the whole context), each falling back to attn_tflops
     loss rate       loss_tflops (trainable head: BDLM) / loss_topk_tflops (frozen head + top-k: drafter)
     optimizer       trainable params x 28 bytes / adamw_gbps (Options.optimizer_step; none without a rate)
 
@@ -140,7 +142,8 @@ def _drafter(shape, context, layout, profile, opt) -> Prediction:
     windows = sorted(set(shape.windows), key=lambda w: (w is not None, w or 0))
     per_window = {w: drafter_rank_stats(mode, context, N, S, P, w) for w in windows}
     e = profile.elem_bytes
-    gemm, attn = profile.token_tflops * 1e12, profile.attn_tflops * 1e12
+    gemm = profile.token_tflops * 1e12
+    attn = {w: profile.drafter_attn_tflops(w) * 1e12 for w in windows}  # per layer's window (None = full)
     loss_rate = profile.loss_rate_tflops(frozen_head_topk=True) * 1e12
     fpp = shape.attention_flops_per_pair()
     kv_row = 2 * shape.kv_heads * shape.head_dim * e
@@ -157,10 +160,10 @@ def _drafter(shape, context, layout, profile, opt) -> Prediction:
         a, exposed = 0.0, 0.0
         for w in shape.windows:
             x = st[w]
-            a += x.pairs * fpp * 3.5 / attn
+            a += x.pairs * fpp * 3.5 / attn[w]
             if mode == "csbp" and x.received_rows:
                 nbytes = x.received_rows * kv_row
-                overlap = layer_gemm + x.pairs_local * fpp / attn  # block-local work of the layer
+                overlap = layer_gemm + x.pairs_local * fpp / attn[w]  # block-local work of the layer
                 t_ag = nbytes / profile.bandwidth("allgather", P)
                 t_rs = nbytes / profile.bandwidth("reduce_scatter", P)
                 exposed += max(0.0, t_ag - overlap) + max(0.0, t_rs - 2 * overlap)

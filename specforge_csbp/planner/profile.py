@@ -9,9 +9,12 @@
     loss_tflops          FLOPs / time of the chunked linear CE with a trainable LM head (BDLM loss)
     loss_topk_tflops     the same for linear_ce_topk with a frozen head and top-k logits (drafter loss)
     adamw_gbps           bytes / time of one fused AdamW step (28 bytes per fp32 parameter)
+    attn_window_tflops   useful attention FLOP/s of DFlash draft blocks over a sliding window (rates.py)
+    attn_draft_tflops    the same for draft blocks over the whole context (full-attention drafter layers)
 
-The last four are optional (None in profiles calibrated before they existed: the cost model then charges
-that work at gemm_tflops and no optimizer time, exactly as those profiles always predicted).
+The last six are optional (None in profiles calibrated before they existed: the cost model then charges
+that work at gemm_tflops, drafter attention at attn_tflops, and no optimizer time, exactly as those
+profiles always predicted).
 
 A profile is JSON (`MachineProfile`); `calibrate` writes one. Collectives need >= 2 ranks: run it under
 torchrun on GPUs, or let it spawn gloo ranks on CPU. Sizes are tiny on CPU, realistic on GPU.
@@ -32,7 +35,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
-from .rates import measure_work_rates, timed
+from .rates import measure_drafter_attention, measure_work_rates, timed
 
 __all__ = ["BUILTIN_PROFILES", "MachineProfile", "calibrate", "load_profile"]
 
@@ -58,6 +61,8 @@ class MachineProfile(BaseModel):
     loss_tflops: float | None = Field(default=None, gt=0, description="linear CE, trainable head")
     loss_topk_tflops: float | None = Field(default=None, gt=0, description="linear CE + top-k, frozen head")
     adamw_gbps: float | None = Field(default=None, gt=0, description="fused AdamW step, 28 B per parameter")
+    attn_window_tflops: float | None = Field(default=None, gt=0, description="draft blocks, sliding window")
+    attn_draft_tflops: float | None = Field(default=None, gt=0, description="draft blocks, whole context")
     calibration_s: float | None = Field(default=None, ge=0, description="wall seconds the calibration took")
     gpus_per_node: int = Field(default=8, ge=1)
     internode_gbps: float | None = Field(default=None, gt=0, description="per-GPU bandwidth across nodes")
@@ -78,6 +83,11 @@ class MachineProfile(BaseModel):
         falls back to the other loss rate, then to the GEMM rate."""
         topk, full = self.loss_topk_tflops, self.loss_tflops
         return (topk or full if frozen_head_topk else full or topk) or self.gemm_tflops
+
+    def drafter_attn_tflops(self, window: int | None) -> float:
+        """Attention rate of a drafter layer: draft blocks over a sliding window of `window` keys, or over
+        the whole context (None); falls back to the BDLM-measured attn_tflops."""
+        return (self.attn_draft_tflops if window is None else self.attn_window_tflops) or self.attn_tflops
 
     def bandwidth(self, op: str, group_size: int) -> float:
         """Bytes/s of `op` ("allgather" | "reduce_scatter" | "allreduce") for a group of this many GPUs;
@@ -108,6 +118,9 @@ class MachineProfile(BaseModel):
             work += f", loss {g(self.loss_tflops)} / top-k {g(self.loss_topk_tflops)} TFLOP/s"
         if self.adamw_gbps is not None:
             work += f", AdamW {g(self.adamw_gbps)} GB/s"
+        if self.attn_window_tflops is not None or self.attn_draft_tflops is not None:
+            work += (f", drafter attention window {g(self.attn_window_tflops)} / full "
+                     f"{g(self.attn_draft_tflops)} TFLOP/s")  # fmt: skip
         return (
             f"{self.device}, {kind} {self.date} on {self.world_size} rank(s), {self.dtype}/{self.attention_backend}: "
             f"GEMM {g(self.gemm_tflops)} TFLOP/s, attention {g(self.attn_tflops)} TFLOP/s, all-gather "
@@ -140,9 +153,9 @@ def _sizes(device: torch.device) -> dict:
 
 
 def _measure_compute(device: torch.device) -> dict:
-    """Every compute rate: the kernels below, then the work a step runs (rates.py) - after the kernels'
-    tensors are freed."""
-    return {**_measure_kernels(device), **measure_work_rates(device)}
+    """Every compute rate: the kernels below, then the drafter's attention and the work a step runs
+    (rates.py) - each after the previous one's tensors are freed."""
+    return {**_measure_kernels(device), **measure_drafter_attention(device), **measure_work_rates(device)}
 
 
 def _measure_kernels(device: torch.device) -> dict:

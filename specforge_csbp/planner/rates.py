@@ -18,6 +18,22 @@ and divide the FLOPs the cost model charges for it (cost.py), so a rate is "usef
                       ADAMW_BYTES_PER_PARAM = 28 bytes per parameter (read weight, grad, two moments;
                       write weight, two moments) / time
 
+Drafter attention (`measure_drafter_attention`, sizes `DRAFTER_ATTN_SIZES`): a DFlash drafter's queries
+are draft blocks of S rows, each over its own keys - a 2048-key window in sliding layers, the context
+before its anchor in full layers - so its kernels visit mostly partial tiles and run far below the dense
+BDLM block mask's attn_tflops. One reference plan (`drafter_plans`, anchors from the training sampler)
+with a sliding and a full layer type, each run through its `ShardedAttention` (the seam; flex on CUDA,
+dense on CPU, GQA packing decided as in training), forward + backward, masks built in the warm-up calls
+(the drafter benchmark times them apart, as `prep_ms`):
+
+    attn_window_tflops  sliding-window layer: FLOPs = visible pairs x 4 H D x 3.5   (forward 1 + backward 2.5)
+    attn_draft_tflops   full-context layer:   the same count
+                        (pairs: `count_visible` over the layer's Visibility - exact, what cost.py charges)
+
+The sliding rate depends on how far apart anchors lie (a 128-row query tile holds 8 blocks whose windows
+overlap less the sparser the anchors): the GPU size, 512 anchors over 128K (one every 256 positions),
+sits mid-way in the benchmarked 64K..1M at 512 anchors.
+
 Sizes (`WORK_SIZES`): GPU - the hidden/intermediate/heads of Qwen3-8B (the drafters' width), 8192 rows,
 the vocabulary of Qwen3 (151936), the CE chunks of the BDLM and drafter benchmarks (4096, 2048), 128M
 AdamW parameters; CPU - toy sizes in float32 that run in about a second. fp32 matmuls run at the
@@ -31,7 +47,16 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["ADAMW_BYTES_PER_PARAM", "WORK_SIZES", "measure_work_rates", "qwen3_layer", "timed"]
+__all__ = [
+    "ADAMW_BYTES_PER_PARAM",
+    "DRAFTER_ATTN_SIZES",
+    "WORK_SIZES",
+    "drafter_attention_anchors",
+    "measure_drafter_attention",
+    "measure_work_rates",
+    "qwen3_layer",
+    "timed",
+]
 
 ADAMW_BYTES_PER_PARAM = 28  # fp32: read weight, grad, exp_avg, exp_avg_sq (16); write weight and moments (12)
 
@@ -41,6 +66,13 @@ WORK_SIZES: dict[str, dict] = {
                  dtype=torch.bfloat16, reps=8),
     "cpu": dict(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, rows=256, seq=32,
                 vocab=2048, ce_chunk=128, topk_chunk=64, top_k=4, adamw_params=1 << 20,
+                dtype=torch.float32, reps=3),
+}  # fmt: skip
+
+DRAFTER_ATTN_SIZES: dict[str, dict] = {
+    "cuda": dict(context=131072, anchors=512, block=16, window=2048, heads=32, kv_heads=8, head_dim=128,
+                 dtype=torch.bfloat16, reps=8),  # shape a of the drafter benchmark (qwen3.6-27b-dflash)
+    "cpu": dict(context=512, anchors=16, block=4, window=32, heads=4, kv_heads=2, head_dim=16,
                 dtype=torch.float32, reps=3),
 }  # fmt: skip
 
@@ -150,3 +182,56 @@ def measure_work_rates(device: torch.device) -> dict[str, float]:
     finally:
         torch.set_float32_matmul_precision(precision)
     return dict(layer_tflops=layer, loss_tflops=loss, loss_topk_tflops=loss_topk, adamw_gbps=adamw)
+
+
+# -- drafter attention ----------------------------------------------------------------------------
+
+
+def drafter_attention_anchors(z: dict) -> torch.Tensor:
+    """The calibration's anchors: the training sampler (uniform, seed 0) over a fully supervised context."""
+    from ..objectives.dflash import DFlashObjective, sample_anchors
+
+    objective = DFlashObjective(num_anchors=z["anchors"], seed=0)
+    return sample_anchors(torch.ones(z["context"]), objective, block_size=z["block"])
+
+
+def _drafter_attention_tflops(device: torch.device, z: dict) -> dict[str, float]:
+    from ..models.dflash import drafter_plans, make_dflash_config, plan_attention
+    from .pairs import count_visible
+
+    H, Hk, D, S = z["heads"], z["kv_heads"], z["head_dim"], z["block"]
+    # only the attention fields matter; the rest are placeholders the config validation asks for
+    config = make_dflash_config(
+        hidden_size=H * D, intermediate_size=H * D, num_hidden_layers=2, num_attention_heads=H,
+        num_key_value_heads=Hk, head_dim=D, vocab_size=S + 1, mask_token_id=S, num_target_layers=1,
+        target_layer_ids=[0], block_size=S, layer_types=["sliding_attention", "full_attention"],
+        sliding_window=z["window"],
+    )  # fmt: skip
+    plan = drafter_plans("reference", z["context"], drafter_attention_anchors(z), config, 1)[0]
+    backend = "flex" if device.type == "cuda" else "dense"
+    attention = plan_attention(plan, backend=backend)  # pack_gqa None: decided per mask, as in training
+    fields = {"sliding_attention": "attn_window_tflops", "full_attention": "attn_draft_tflops"}
+    out = {}
+    for kind, layer in attention.items():
+        attend, shard = layer.attend, plan.layers[kind].shard
+        (vis,) = attend.visibilities  # one process: one seam call over the layer's keys
+        pairs = count_visible(vis.q, vis.k, S, vis.clean_within_block, window=vis.window,
+                              noisy_causal=vis.noisy_causal)  # fmt: skip
+        q = torch.randn(1, H, len(shard.q_tokens), D, device=device, dtype=z["dtype"], requires_grad=True)
+        k = torch.randn(1, Hk, len(shard.kv_tokens), D, device=device, dtype=z["dtype"], requires_grad=True)
+        v = torch.randn_like(k, requires_grad=True)
+        grad = torch.randn_like(q)
+
+        def step(attend=attend, q=q, k=k, v=v, grad=grad):
+            q.grad = k.grad = v.grad = None  # fresh gradients, as the projections' outputs get in training
+            out_, _ = attend(q, k, v)
+            out_.backward(grad)
+
+        step.__name__ = f"{kind}_step"
+        out[fields[kind]] = pairs * 4 * H * D * 3.5 / timed(step, device, z["reps"]) / 1e12  # fwd 1 + bwd 2.5
+    return out
+
+
+def measure_drafter_attention(device: torch.device) -> dict[str, float]:
+    """attn_window_tflops, attn_draft_tflops of this device (module docstring)."""
+    return _drafter_attention_tflops(device, DRAFTER_ATTN_SIZES["cuda" if device.type == "cuda" else "cpu"])
