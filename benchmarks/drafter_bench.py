@@ -295,6 +295,20 @@ def profile_once(step, env, title: str) -> None:
     )
 
 
+def step_health(env) -> dict[str, float]:
+    """Counters of what can make a step slow without being its work: graphs compiled (torch.compile
+    recompiling for new shapes) and, on CUDA, device allocations / frees and allocator retries (cudaMalloc
+    and cudaFree synchronise). The record holds their increase over the timed steps."""
+    from torch._dynamo.utils import counters
+
+    out = {"compiled_graphs": float(counters["stats"]["unique_graphs"])}
+    if env.device.type == "cuda":
+        m = torch.cuda.memory_stats(env.device)
+        for key in ("num_device_alloc", "num_device_free", "num_alloc_retries"):
+            out[key] = float(m.get(key, 0))
+    return out
+
+
 def components(model, plan, sample, head, embed, objective, env, fresh_plans=()) -> dict[str, float]:
     """This rank's share of one step, piece by piece (forward + backward each; collectives off).
     `prep_ms`: building one step's attention executors and all their masks (tables, GQA packing decision,
@@ -475,11 +489,14 @@ def run_ours(mode, L, N, config, model, head, embed, env, args) -> dict:
         step()
     env.reset_peak()
     stats.reset()
+    before = step_health(env)
     step_ms = env.reduce(_time(step, env, 0, args.iters))
+    timed_health = {k: env.reduce(v - before[k]) for k, v in step_health(env).items()}  # max over ranks
     peak = env.peak_gib()
     res = box["res"]
     rec = {"step_ms": step_ms, "peak_mem_gib": peak, "tokens_per_s": res.metrics["supervised"] / (step_ms / 1e3),
-               "comm_bytes_per_step": env.reduce(sum(stats.bytes_sent.values()) / args.iters)}  # fmt: skip
+               "comm_bytes_per_step": env.reduce(sum(stats.bytes_sent.values()) / args.iters),
+           "timed_steps_health": timed_health, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}  # fmt: skip
     flops = (
         sum(useful_flops(config, L, p.anchors) for p in res.plans)
         if mode == "dp"
@@ -648,6 +665,9 @@ def show(r: BenchRecord) -> None:
                  f"  MFU {extra.get('mfu', 0):.2f}")  # fmt: skip
         if r.exposed_comm_ms is not None:
             line += f"  exposed comm {r.exposed_comm_ms:.1f} ms"
+        health = extra.get("timed_steps_health")
+        if health and any(health.values()):
+            line += "\n    during the timed steps: " + ", ".join(f"{k} +{v:.0f}" for k, v in health.items())
         comp = extra.get("components_ms")
         if comp:
             line += "\n    components (ms, this rank's share): " + ", ".join(

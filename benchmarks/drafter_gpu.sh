@@ -3,8 +3,9 @@
 # Every stage has its own time limit so one slow stage cannot take the others' time; records are written
 # point by point. Earlier forms of these parts: benchmarks/logs/drafter_h200x2_2026-11-29{,_b}.log.
 # Part 1: why CSBP loses at 512K / 512 anchors (session 3: 0.88x CP, ceiling 1.19x, ~180 ms per step outside
-# every measured component): one profiled step per mode + `prep_ms` (mask building of a fresh plan) in the
-# components; then the DP point that the "2 GPUs >= 1.8x one GPU" target needs, with today's code.
+# every measured component): one profiled step per mode, `prep_ms` (mask building of a fresh plan) in the
+# components, the timed steps' recompiles / device allocations, an allocator A/B; then the DP point that
+# the "2 GPUs >= 1.8x one GPU" target needs, with today's code.
 source benchmarks/gpu_env.sh
 stage() { local limit=$1; shift; echo "== $(date -u +%T) [limit ${limit}s] $*"; timeout -k 15 "$limit" "$@" 2>&1 | grep -v -i warn; }
 B=benchmarks/drafter_bench.py
@@ -12,6 +13,10 @@ R="$OUT/drafter.jsonl"
 case "${1:-1}" in
 1)
   stage 240 torchrun --nproc-per-node 2 $B --shape a --modes csbp,cp --contexts 512K --anchors 512 --profile --out "$R"
+  # the same pair with the allocator's expandable segments (plans change shapes every step; records show
+  # the timed steps' device allocations and recompiles either way)
+  stage 110 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True torchrun --nproc-per-node 2 $B --shape a \
+    --modes csbp,cp --contexts 512K --anchors 512 --no-components --out "$R"
   stage 150 torchrun --nproc-per-node 2 $B --shape a --modes dp,csbp --contexts 128K --anchors 512 --out "$R"
   ;;
 2)
