@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import statistics
 import sys
@@ -276,7 +277,7 @@ def run(args) -> list[BenchRecord]:
                         exposed = max(step_ms - no_comm_ms, 0.0)
                     del q, k, v, g, built, fn
                 peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-                step_ms = _max_over_ranks(0.0 if step_ms != step_ms else step_ms, device)
+                step_ms = _max_over_ranks(0.0 if math.isnan(step_ms) else step_ms, device)  # ranks that run nothing: NaN
                 peak = _max_over_ranks(peak, device)
                 exposed = _max_over_ranks(exposed, device) if exposed is not None else None
                 gpus = base["world_size"]

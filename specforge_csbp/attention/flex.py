@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from ..masks.visibility import Visibility, visible
+from ..masks.visibility import Visibility
 
 __all__ = [
     "block_mask_for",
