@@ -87,6 +87,8 @@ def prepare_attention(
     if pack_gqa not in (None, True, False):
         raise ValueError(f"pack_gqa must be one of None, True, False; got {pack_gqa!r}")
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # the key the call's q.device will look up
+        device = torch.device("cuda", torch.cuda.current_device())
     if backend == "auto":
         backend = "flex" if device.type == "cuda" else "dense"
     pack = pack_gqa
