@@ -1,9 +1,10 @@
 """CSBP's drafter plans make the attention kernels visit no more tiles than CP's for the same pairs.
 
 The work of a block-sparse kernel is the 128 x 128 tiles it visits, full or partial, not the visible pairs.
-CSBP owns anchors in runs of consecutive anchors (`own_anchor_runs`) so that a rank's query tile holds
-neighbouring draft blocks, as CP's tiles do; owning every P-th anchor spread each tile's blocks (and their
-sliding windows) P times wider. Counted on CPU from the block masks the GPU kernels use.
+CSBP owns anchors in runs of consecutive anchors (`own_anchors_near_context`, else `own_anchor_runs`) so that
+a rank's query tile holds neighbouring draft blocks, as CP's tiles do; owning every P-th anchor spread each
+tile's blocks (and their sliding windows) P times wider. Counted on CPU from the block masks the GPU kernels
+use. Runs placed near their context also shrink what sliding-window layers gather.
 """
 
 import pytest
@@ -82,3 +83,69 @@ def test_fewer_anchors_than_ranks_is_a_one_line_error():
     )  # fmt: skip
     with pytest.raises(ValueError, match="^anchors: 2 anchors cannot be spread over 3 ranks"):
         own_anchor_runs(torch.tensor([3, 9]), cfg, 3)
+
+
+def _window_cfg(window=512):
+    return make_dflash_config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=1000, num_target_layers=4, target_layer_ids=[1, 2], mask_token_id=999,
+        block_size=16, layer_types=["sliding_attention", "full_attention"], sliding_window=window,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("num_anchors", [3, 9, 130, 512])
+def test_anchors_near_context_own_every_anchor_once_balanced_and_tile_aligned(world, num_anchors):
+    """Every anchor once, every rank some, the load within RUN_LOAD_SLACK of single-anchor ownership, and a
+    rank's anchors as whole tile-filling runs (8 consecutive anchors, run-aligned) first, then the rest in
+    order; or None - the fallback to own_anchor_runs, which few anchors over many ranks may need."""
+    from specforge_csbp.layout.assignment import assign_dual_end
+    from specforge_csbp.models.dflash.sharding import (
+        RUN_LOAD_SLACK,
+        _context_shards,
+        anchor_costs,
+        own_anchors_near_context,
+    )
+
+    if num_anchors < world:
+        return
+    cfg, L = _window_cfg(), 65536
+    anchors = sample_anchors(torch.ones(L), DFlashObjective(num_anchors=num_anchors), block_size=16)
+    owned = own_anchors_near_context(anchors, cfg, world, _context_shards(L, world)[1])
+    if owned is None:
+        assert num_anchors < 512  # 512 uniform anchors always balance without falling back
+        return
+    assert sorted(torch.cat(owned).tolist()) == list(range(num_anchors)) and all(len(o) for o in owned)
+    costs = anchor_costs(anchors, cfg)
+    loads = [sum(costs[i] for i in o.tolist()) for o in owned]
+    assert max(loads) <= max(assign_dual_end(costs, world).loads) * (1 + RUN_LOAD_SLACK) + 1e-6
+    in_runs = 0
+    for o in owned:
+        k = 0
+        while k + 8 <= len(o) and int(o[k]) % 8 == 0 and torch.equal(o[k : k + 8] - o[k], torch.arange(8)):
+            k += 8
+        assert torch.equal(o[:k], o[:k].sort().values) and torch.equal(o[k:], o[k:].sort().values)
+        in_runs += k
+    if num_anchors == 512:
+        assert in_runs >= 0.75 * num_anchors  # most query tiles hold one run of neighbouring blocks
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_csbp_gathers_fewer_window_rows_with_anchors_near_their_context(world):
+    """The sliding-window layers' gathered rows (and so the fused call's keys and the traffic) shrink when
+    anchors live where their windows are; full-attention layers gather the whole context either way."""
+    import specforge_csbp.models.dflash.sharding as sharding
+
+    cfg, L = _window_cfg(window=1024), 131072
+    anchors = sample_anchors(torch.ones(L), DFlashObjective(num_anchors=256), block_size=16)
+    near = sharding.drafter_plans("csbp", L, anchors, cfg, world, bucket=256)
+    original = sharding.own_anchors_near_context
+    sharding.own_anchors_near_context = lambda *args: None
+    try:
+        runs = sharding.drafter_plans("csbp", L, anchors, cfg, world, bucket=256)
+    finally:
+        sharding.own_anchors_near_context = original
+    sliding = [p.layers["sliding_attention"].shard.gather_len for p in (near[0], runs[0])]
+    full = [p.layers["full_attention"].shard.gather_len for p in (near[0], runs[0])]
+    assert sliding[0] * 3 <= sliding[1], sliding
+    assert full[0] == full[1], full

@@ -126,3 +126,31 @@ def test_bad_shapes_give_one_line_errors(args, message):
     with pytest.raises(ValueError, match=message) as err:
         bdlm_plan(*args)
     assert "\n" not in str(err.value)
+
+
+def test_assign_near_home_keeps_runs_home_and_balances_within_slack():
+    """Pure layout: runs go home when that balances; an unbalanced home split moves the unit nearest half the
+    gap (runs, then single items) until within slack of dual-end; whole runs come first on each rank."""
+    from specforge_csbp.layout import assign_dual_end, assign_near_home
+
+    # homes 0 0 0 0 | 1 1 1 1 | 1 1 1 1 | 0 0 0 0, equal costs: every run stays home, nothing moves
+    home = [0] * 4 + [1] * 8 + [0] * 4
+    assert assign_near_home([1.0] * 16, home, 2, run=4, slack=0.0) == (
+        (0, 1, 2, 3, 12, 13, 14, 15),
+        (4, 5, 6, 7, 8, 9, 10, 11),
+    )
+    # everything calls rank 0 home: half must move, rank 1 gets whole runs (tile-aligned) first
+    costs = [1.0 + 0.01 * i for i in range(24)]
+    items = assign_near_home(costs, [0] * 24, 2, run=4, slack=0.01)
+    assert items is not None and sorted(items[0] + items[1]) == list(range(24))
+    loads = [sum(costs[i] for i in r) for r in items]
+    assert max(loads) <= max(assign_dual_end(costs, 2).loads) * 1.01
+    for r in items:
+        k = 0
+        while k + 4 <= len(r) and r[k] % 4 == 0 and list(r[k : k + 4]) == list(range(r[k], r[k] + 4)):
+            k += 4
+        assert list(r[k:]) == sorted(r[k:])
+    # greedy moves cannot reach dual-end's (3, 3) here: loads (4, 2) and no unit below the gap -> None
+    assert assign_near_home([1.0, 1.0, 2.0, 2.0], [0, 0, 0, 0], 2, run=2, slack=0.0) is None
+    with pytest.raises(ValueError, match="^anchors: 1 anchors cannot be spread over 2 ranks"):
+        assign_near_home([1.0], [0], 2, run=4, slack=0.01)

@@ -4,7 +4,7 @@ Nothing here communicates or touches a device; every function is deterministic i
 rank can compute every other rank's layout without asking it.
 """
 
-from .assignment import Assignment, assign_dual_end
+from .assignment import Assignment, assign_dual_end, assign_near_home
 from .plans import MODES, ShardPlan, bdlm_plan, check_bdlm_shape
 from .tokens import CLEAN, NOISY, PAD, TokenSet
 from .zigzag import ZigzagShards
@@ -12,6 +12,7 @@ from .zigzag import ZigzagShards
 __all__ = [
     "Assignment",
     "assign_dual_end",
+    "assign_near_home",
     "MODES",
     "ShardPlan",
     "bdlm_plan",

@@ -15,10 +15,11 @@ B < P is an error: some rank would own nothing and its corrupted stream would be
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Assignment", "assign_dual_end"]
+__all__ = ["Assignment", "assign_dual_end", "assign_near_home"]
 
 
 @dataclass(frozen=True)
@@ -79,3 +80,77 @@ def assign_dual_end(costs: Sequence[float], world_size: int, *, what: str = "blo
     paired = _greedy(pairs, costs, world_size)
     single = _greedy([(i,) for i in range(n)], costs, world_size)
     return single if max(single.loads) < max(paired.loads) else paired
+
+
+def assign_near_home(
+    costs: Sequence[float], home: Sequence[int], world_size: int, *, run: int, slack: float, what: str = "anchors"
+) -> tuple[tuple[int, ...], ...] | None:
+    """Items in position order, each with a cost and a home rank (where the data it reads lives): runs of
+    `run` consecutive items go to the rank most of them call home; then, while the most loaded rank is over
+    the target - the maximum load of `assign_dual_end` times (1 + slack) - it hands the unit whose cost is
+    nearest half the gap to the least loaded rank, or swaps a unit for a cheaper one of that rank (runs
+    first; its runs become single items when neither fits). Returns each rank's items, its whole runs first (in order) then the rest (in order), or None when
+    the target cannot be reached.
+
+        homes (P = 2):   0 0 0 0 | 1 1 1 1 | 1 1 1 1 | 0 0 0 0      run = 4
+        runs:            [ r0  ]   [ r1  ]   [ r2  ]   [ r3  ]
+        owners:             0         1         1         0          (balanced: nothing moves)
+
+    A move or swap lowers the sum of squared loads (what changes hands is below the gap): no cycles."""
+    n, P = len(costs), world_size
+    target = max(assign_dual_end(costs, P, what=what).loads) * (1 + slack)  # n < P: the one-line error
+    units = [list(range(i, min(i + run, n))) for i in range(0, n, run)]
+    owner = [max(range(P), key=lambda r: (sum(home[i] == r for i in u), -r)) for u in units]  # ties: lowest
+    cost = [sum(costs[i] for i in u) for u in units]
+    loads = [0.0] * P
+    for u, r in enumerate(owner):
+        loads[r] += cost[u]
+    for _ in range(2 * n):
+        heavy = max(range(P), key=lambda r: (loads[r], -r))
+        if loads[heavy] <= target:
+            break
+        light = min(range(P), key=lambda r: (loads[r], r))
+        gap = loads[heavy] - loads[light]
+        fits = [u for u in range(len(units)) if owner[u] == heavy and cost[u] < gap]
+        if fits:
+            u = min(fits, key=lambda u: (abs(gap / 2 - cost[u]), u))
+            owner[u], loads[heavy], loads[light] = light, loads[heavy] - cost[u], loads[light] + cost[u]
+            continue
+        swap = _best_swap(units, owner, cost, heavy, light, gap)
+        if swap is not None:  # heavy's unit u for light's cheaper unit v: the gap shrinks by their difference
+            u, v = swap
+            owner[u], owner[v] = light, heavy
+            delta = cost[u] - cost[v]
+            loads[heavy], loads[light] = loads[heavy] - delta, loads[light] + delta
+            continue
+        if not any(owner[u] == heavy and len(units[u]) > 1 for u in range(len(units))):
+            return None
+        split = [[[i] for i in unit] if owner[u] == heavy else [unit] for u, unit in enumerate(units)]
+        owner = [owner[u] for u, parts in enumerate(split) for _ in parts]
+        units = [part for parts in split for part in parts]
+        cost = [sum(costs[i] for i in u) for u in units]
+    if max(loads) > target or any(r not in owner for r in range(P)):
+        return None
+    out = []
+    for rank in range(P):
+        mine = [units[u] for u in range(len(units)) if owner[u] == rank]
+        whole = sorted(i for u in mine if len(u) == run for i in u)
+        rest = sorted(i for u in mine if len(u) < run for i in u)
+        out.append(tuple(whole + rest))
+    return tuple(out)
+
+
+def _best_swap(units, owner, cost, heavy: int, light: int, gap: float) -> tuple[int, int] | None:
+    """(u on heavy, v on light) with 0 < cost[u] - cost[v] < gap, the difference nearest gap / 2."""
+    mine = sorted((cost[v], v) for v in range(len(units)) if owner[v] == light)
+    values = [c for c, _ in mine]
+    best = None
+    for u in range(len(units)):
+        if owner[u] != heavy:
+            continue
+        j = bisect.bisect_left(values, cost[u] - gap / 2)
+        for k in (j - 1, j):
+            if 0 <= k < len(mine) and 0 < cost[u] - mine[k][0] < gap:
+                key = (abs(gap / 2 - (cost[u] - mine[k][0])), u, mine[k][1])
+                best = key if best is None or key < best else best
+    return None if best is None else (best[1], best[2])

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout.assignment import assign_dual_end
+from ..layout.assignment import assign_dual_end, assign_near_home
 from ..layout.plans import ShardPlan, bdlm_plan, check_bdlm_shape
 from ..layout.tokens import CLEAN, NOISY, TokenSet
 from ..layout.zigzag import ZigzagShards
@@ -211,8 +211,9 @@ def drafter_rank_stats(
               attention over the local context merged across ranks
         bp    anchors owned whole (dual-end by prefix cost); each rank recomputes the context prefix its
               anchors need (up to its last anchor; its windows only, for sliding-window layers)
-        csbp  anchors owned whole + context zigzag shard; full attention gathers all context K/V,
-              sliding-window layers receive only the windows the rank's anchors need
+        csbp  anchors owned whole, in runs near their context (assign_near_home, as the drafter plans do)
+              + context zigzag shard; full attention gathers all context K/V, sliding-window layers
+              receive only the windows the rank's anchors need
     """
     if mode not in ("dp", "cp", "bp", "csbp"):
         raise ValueError(f"mode must be one of dp, cp, bp, csbp; got {mode!r}")
@@ -227,6 +228,12 @@ def drafter_rank_stats(
     cost = [float(min(a, window) if window else a) + S for a in pos]
     owned = assign_dual_end(cost, P, what="anchors").items if mode in ("bp", "csbp") else None
     zig = ZigzagShards(context_len, S, P) if P > 1 else None
+    if mode == "csbp" and P > 1:  # as the drafter plans own them: runs near their context, within 1%
+        starts = sorted((lo, r) for r in range(P) for lo, hi in zig.rank_intervals(r) if hi > lo)
+        lo_of = torch.tensor([lo for lo, _ in starts], dtype=torch.long)
+        where = torch.searchsorted(lo_of, (torch.tensor(pos) - 1).clamp(min=0), right=True) - 1
+        home = [starts[int(i)][1] for i in where]
+        owned = assign_near_home(cost, home, P, run=max(1, 128 // S), slack=0.01) or owned
     out = []
     for r in range(P):
         mine = list(range(anchors)) if owned is None else list(owned[r])

@@ -29,7 +29,7 @@ and scales its loss by 1/P, so each loss counts once in the gradient sum.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from ...attention import merge_partials
 from ...distributed.collectives import COMM_STATS, CommStats, all_gather_rows
-from ...layout import CLEAN, NOISY, ShardPlan, TokenSet, ZigzagShards, assign_dual_end
+from ...layout import CLEAN, NOISY, ShardPlan, TokenSet, ZigzagShards, assign_dual_end, assign_near_home
 from ...layout.plans import build_plans
 from ...parallel.sharded_attention import ShardedAttention
 from .configuration import DFlashConfig
@@ -51,6 +51,7 @@ __all__ = [
     "anchor_costs",
     "drafter_plans",
     "own_anchor_runs",
+    "own_anchors_near_context",
     "plan_attention",
     "prepare_plan_attention",
     "reference_attention",
@@ -153,6 +154,39 @@ def own_anchor_runs(anchors: torch.Tensor, config: DFlashConfig, world_size: int
     return [torch.tensor(items, dtype=torch.long) for items in singles.items]
 
 
+def own_anchors_near_context(
+    anchors: torch.Tensor,
+    config: DFlashConfig,
+    world_size: int,
+    intervals: Sequence[Sequence[tuple[int, int]]],
+) -> list[torch.Tensor] | None:
+    """CSBP ownership that keeps sliding windows local: `assign_near_home` over the anchors in position order,
+    an anchor's home being the rank whose zigzag context shard (`intervals[r]`) holds the position just
+    before it, where its window ends; runs fill a query tile (as in `own_anchor_runs`), and the load stays
+    within RUN_LOAD_SLACK of single-anchor dual-end ownership. None when it cannot (the caller then uses
+    `own_anchor_runs`).
+
+        context (zigzag, P = 2):  |  rank 0  |  rank 1  |  rank 1  |  rank 0  |
+        runs of anchors:            [a a a a]  [a a a a]  [a a a a]  [a a a a]
+        owner (home):                   0          1          1          0
+
+    The zigzag pairing that balances the clean prefix balances the runs' prefix costs too, so few anchors
+    move; only moved anchors' windows are gathered in sliding-window layers (full layers gather the whole
+    context either way). A rank's whole runs come first in its order, so its query tiles stay aligned with
+    runs; moved single anchors follow them."""
+    order = torch.argsort(anchors, stable=True)
+    costs = anchor_costs(anchors, config)
+    starts = sorted((lo, r) for r, ivs in enumerate(intervals) for lo, hi in ivs if hi > lo)
+    lo_of = torch.tensor([lo for lo, _ in starts], dtype=torch.long)
+    rank_of = torch.tensor([r for _, r in starts], dtype=torch.long)
+    home = rank_of[torch.searchsorted(lo_of, (anchors[order].to(torch.long) - 1).clamp(min=0), right=True) - 1]
+    items = assign_near_home(
+        [costs[i] for i in order.tolist()], home.tolist(), world_size,
+        run=max(1, Q_TILE_ROWS // config.draft_block_size), slack=RUN_LOAD_SLACK,
+    )  # fmt: skip
+    return None if items is None else [order[list(ids)] for ids in items]
+
+
 def _block_tokens(anchors: torch.Tensor, idx: torch.Tensor, S: int) -> TokenSet:
     a = anchors[idx]
     pos = (a[:, None] + torch.arange(S)).reshape(-1)
@@ -221,11 +255,15 @@ def drafter_plans(
             f"anchors must lie in [0, seq_len - 1) = [0, {L - 1}); got {anchors.min()}..{anchors.max()}"
         )
     everything = torch.arange(N)
+    ctx_pos, intervals = _context_shards(L, P)
     if mode == "csbp":
-        owned = own_anchor_runs(anchors, config, P)
+        # windows local where the load allows it (only sliding-window layers can gather less)
+        near = "sliding_attention" in config.layer_types and P > 1
+        owned = (own_anchors_near_context(anchors, config, P, intervals) if near else None) or own_anchor_runs(
+            anchors, config, P
+        )
     else:
         owned = [everything] * P
-    ctx_pos, intervals = _context_shards(L, P)
     q_rows = [L + (owned[r][:, None] * S + torch.arange(S)).reshape(-1) for r in range(P)]
     q_tok = [_block_tokens(anchors, owned[r], S) for r in range(P)]
     shares = P > 1 and mode == "csbp"  # CP merges partial outputs instead of sharing K/V
