@@ -162,9 +162,9 @@ def own_anchors_near_context(
 ) -> list[torch.Tensor] | None:
     """CSBP ownership that keeps sliding windows local: `assign_near_home` over the anchors in position order,
     an anchor's home being the rank whose zigzag context shard (`intervals[r]`) holds the position just
-    before it, where its window ends; runs fill a query tile (as in `own_anchor_runs`), and the load stays
-    within RUN_LOAD_SLACK of single-anchor dual-end ownership. None when it cannot (the caller then uses
-    `own_anchor_runs`).
+    before it, where its window ends; runs fill a query tile (as in `own_anchor_runs`; halved while that
+    cannot balance), and the load stays within RUN_LOAD_SLACK of single-anchor dual-end ownership. None when
+    it cannot (the caller then uses `own_anchor_runs`).
 
         context (zigzag, P = 2):  |  rank 0  |  rank 1  |  rank 1  |  rank 0  |
         runs of anchors:            [a a a a]  [a a a a]  [a a a a]  [a a a a]
@@ -180,11 +180,14 @@ def own_anchors_near_context(
     lo_of = torch.tensor([lo for lo, _ in starts], dtype=torch.long)
     rank_of = torch.tensor([r for _, r in starts], dtype=torch.long)
     home = rank_of[torch.searchsorted(lo_of, (anchors[order].to(torch.long) - 1).clamp(min=0), right=True) - 1]
-    items = assign_near_home(
-        [costs[i] for i in order.tolist()], home.tolist(), world_size,
-        run=max(1, Q_TILE_ROWS // config.draft_block_size), slack=RUN_LOAD_SLACK,
-    )  # fmt: skip
-    return None if items is None else [order[list(ids)] for ids in items]
+    ordered_costs, homes = [costs[i] for i in order.tolist()], home.tolist()
+    run = max(1, Q_TILE_ROWS // config.draft_block_size)
+    while run >= 1:  # tile-filling runs first; shorter units balance few anchors over many ranks
+        items = assign_near_home(ordered_costs, homes, world_size, run=run, slack=RUN_LOAD_SLACK)
+        if items is not None:
+            return [order[list(ids)] for ids in items]
+        run //= 2
+    return None
 
 
 def _block_tokens(anchors: torch.Tensor, idx: torch.Tensor, S: int) -> TokenSet:
