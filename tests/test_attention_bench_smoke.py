@@ -1,21 +1,11 @@
 """The attention benchmark's --smoke run executes every mode on CPU (2 gloo ranks, dense backend) and writes
 valid shared benchmark records, each mode checked against the reference first."""
 
-import subprocess
-import sys
-from pathlib import Path
-
-from specforge_csbp.bench.records import load_records
-
-ROOT = Path(__file__).resolve().parents[1]
+from bench_smoke import run_bench_smoke
 
 
 def test_attention_bench_smoke(tmp_path):
-    out = tmp_path / "attention.jsonl"
-    proc = subprocess.run([sys.executable, "benchmarks/attention_bench.py", "--smoke", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    records = load_records(out)
+    records = run_bench_smoke("benchmarks/attention_bench.py", tmp_path / "attention.jsonl", timeout=300)
     assert {(r.mode, r.world_size) for r in records} == {("reference", 1), ("csbp", 2), ("cp", 2), ("bp", 2)}
     assert len({r.context_len for r in records}) >= 2
     pairs = {r.context_len: (r.model_extra or {})["visible_pairs"] for r in records if r.mode == "reference"}

@@ -1,21 +1,11 @@
 """The drafter benchmark's --smoke run executes every code path on CPU (2 gloo ranks + 1-process points) and
 writes valid shared benchmark records."""
 
-import subprocess
-import sys
-from pathlib import Path
-
-from specforge_csbp.bench.records import load_records
-
-ROOT = Path(__file__).resolve().parents[1]
+from bench_smoke import run_bench_smoke
 
 
 def test_drafter_bench_smoke(tmp_path):
-    out = tmp_path / "drafter.jsonl"
-    proc = subprocess.run([sys.executable, "benchmarks/drafter_bench.py", "--smoke", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    records = load_records(out)
+    records = run_bench_smoke("benchmarks/drafter_bench.py", tmp_path / "drafter.jsonl")
     seen = {(r.mode, r.world_size) for r in records}
     assert {("csbp", 2), ("cp", 2), ("dp", 2), ("csbp", 1), ("specforge", 1)} <= seen
     for r in records:

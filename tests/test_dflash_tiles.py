@@ -100,18 +100,13 @@ def test_anchors_near_context_own_every_anchor_once_balanced_and_tile_aligned(wo
     rank's anchors as whole runs first, then the rest, each in order (with 512 anchors, mostly runs of 8
     consecutive, run-aligned anchors: one query tile each); or None - the fallback to own_anchor_runs."""
     from specforge_csbp.layout.assignment import assign_dual_end
-    from specforge_csbp.models.dflash.sharding import (
-        RUN_LOAD_SLACK,
-        _context_shards,
-        anchor_costs,
-        own_anchors_near_context,
-    )
+    from specforge_csbp.models.dflash.sharding import RUN_LOAD_SLACK, anchor_costs, own_anchors_near_context
 
     if num_anchors < world:
         return
     cfg, L = _window_cfg(), 65536
     anchors = sample_anchors(torch.ones(L), DFlashObjective(num_anchors=num_anchors), block_size=16)
-    owned = own_anchors_near_context(anchors, cfg, world, _context_shards(L, world)[1])
+    owned = own_anchors_near_context(anchors, cfg, world, L)
     if owned is None:
         assert num_anchors < 512  # 512 uniform anchors always balance without falling back
         return

@@ -83,22 +83,41 @@ def assign_dual_end(costs: Sequence[float], world_size: int, *, what: str = "blo
 
 
 def assign_near_home(
-    costs: Sequence[float], home: Sequence[int], world_size: int, *, run: int, slack: float, what: str = "anchors"
+    costs: Sequence[float],
+    home: Sequence[int],
+    world_size: int,
+    *,
+    run: int,
+    slack: float,
+    halve: bool = False,
+    what: str = "anchors",
 ) -> tuple[tuple[int, ...], ...] | None:
     """Items in position order, each with a cost and a home rank (where the data it reads lives): runs of
     `run` consecutive items go to the rank most of them call home; then, while the most loaded rank is over
     the target - the maximum load of `assign_dual_end` times (1 + slack) - it hands the unit whose cost is
     nearest half the gap to the least loaded rank, or swaps a unit for a cheaper one of that rank (runs
-    first; its runs become single items when neither fits). Returns each rank's items, its whole runs first (in order) then the rest (in order), or None when
-    the target cannot be reached.
+    first; its runs become single items when neither fits). Returns each rank's items, its whole runs first
+    (in order) then the rest (in order), or None when the target cannot be reached - with `halve`, only
+    after runs of run / 2, run / 4, ..., 1 could not reach it either.
 
         homes (P = 2):   0 0 0 0 | 1 1 1 1 | 1 1 1 1 | 0 0 0 0      run = 4
         runs:            [ r0  ]   [ r1  ]   [ r2  ]   [ r3  ]
         owners:             0         1         1         0          (balanced: nothing moves)
 
     A move or swap lowers the sum of squared loads (what changes hands is below the gap): no cycles."""
+    target = max(assign_dual_end(costs, world_size, what=what).loads) * (1 + slack)  # n < P: the one-line error
+    for length in [run >> k for k in range(run.bit_length())] if halve else [run]:
+        items = _near_home(costs, home, world_size, length, target)
+        if items is not None:
+            return items
+    return None
+
+
+def _near_home(
+    costs: Sequence[float], home: Sequence[int], world_size: int, run: int, target: float
+) -> tuple[tuple[int, ...], ...] | None:
+    """`assign_near_home` with runs of exactly `run` items and the given target load."""
     n, P = len(costs), world_size
-    target = max(assign_dual_end(costs, P, what=what).loads) * (1 + slack)  # n < P: the one-line error
     units = [list(range(i, min(i + run, n))) for i in range(0, n, run)]
     owner = [max(range(P), key=lambda r: (sum(home[i] == r for i in u), -r)) for u in units]  # ties: lowest
     cost = [sum(costs[i] for i in u) for u in units]

@@ -66,7 +66,11 @@ class ZigzagShards:
 
     def owner_of(self) -> torch.Tensor:
         """owner[p] = the rank holding clean position p."""
-        owner = torch.empty(self.seq_len, dtype=torch.long)
-        for r in range(self.world_size):
-            owner[self.rank_positions(r)] = r
-        return owner
+        return self.owner_at(torch.arange(self.seq_len))
+
+    def owner_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """The rank holding each of `positions` (in [0, seq_len)), from the chunk bounds: no [L] table."""
+        ends = torch.tensor([hi for _, hi in self.chunk_bounds()], dtype=torch.long)
+        chunk = torch.searchsorted(ends, positions.to(torch.long), right=True)
+        p = self.world_size
+        return torch.where(chunk < p, chunk, 2 * p - 1 - chunk)

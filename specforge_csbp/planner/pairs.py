@@ -228,12 +228,12 @@ def drafter_rank_stats(
     cost = [float(min(a, window) if window else a) + S for a in pos]
     owned = assign_dual_end(cost, P, what="anchors").items if mode in ("bp", "csbp") else None
     zig = ZigzagShards(context_len, S, P) if P > 1 else None
-    if mode == "csbp" and P > 1:  # as the drafter plans own them: runs near their context, within 1%
-        starts = sorted((lo, r) for r in range(P) for lo, hi in zig.rank_intervals(r) if hi > lo)
-        lo_of = torch.tensor([lo for lo, _ in starts], dtype=torch.long)
-        where = torch.searchsorted(lo_of, (torch.tensor(pos) - 1).clamp(min=0), right=True) - 1
-        home = [starts[int(i)][1] for i in where]
-        owned = assign_near_home(cost, home, P, run=max(1, 128 // S), slack=0.01) or owned
+    if mode == "csbp" and P > 1:  # as the drafter plans own them: runs near their context, within the slack
+        from ..models.dflash.sharding import Q_TILE_ROWS, RUN_LOAD_SLACK
+
+        home = zig.owner_at((torch.tensor(pos) - 1).clamp(min=0)).tolist()
+        run = max(1, Q_TILE_ROWS // S)
+        owned = assign_near_home(cost, home, P, run=run, slack=RUN_LOAD_SLACK, halve=True) or owned
     out = []
     for r in range(P):
         mine = list(range(anchors)) if owned is None else list(owned[r])

@@ -29,7 +29,7 @@ and scales its loss by 1/P, so each loss counts once in the gradient sum.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -155,16 +155,13 @@ def own_anchor_runs(anchors: torch.Tensor, config: DFlashConfig, world_size: int
 
 
 def own_anchors_near_context(
-    anchors: torch.Tensor,
-    config: DFlashConfig,
-    world_size: int,
-    intervals: Sequence[Sequence[tuple[int, int]]],
+    anchors: torch.Tensor, config: DFlashConfig, world_size: int, seq_len: int
 ) -> list[torch.Tensor] | None:
     """CSBP ownership that keeps sliding windows local: `assign_near_home` over the anchors in position order,
-    an anchor's home being the rank whose zigzag context shard (`intervals[r]`) holds the position just
-    before it, where its window ends; runs fill a query tile (as in `own_anchor_runs`; halved while that
-    cannot balance), and the load stays within RUN_LOAD_SLACK of single-anchor dual-end ownership. None when
-    it cannot (the caller then uses `own_anchor_runs`).
+    an anchor's home being the rank whose zigzag context shard holds the position just before it, where
+    its window ends; runs fill a query tile (as in `own_anchor_runs`; halved while that cannot balance),
+    and the load stays within RUN_LOAD_SLACK of single-anchor dual-end ownership. None when it cannot (the
+    caller then uses `own_anchor_runs`).
 
         context (zigzag, P = 2):  |  rank 0  |  rank 1  |  rank 1  |  rank 0  |
         runs of anchors:            [a a a a]  [a a a a]  [a a a a]  [a a a a]
@@ -176,18 +173,12 @@ def own_anchors_near_context(
     runs; moved single anchors follow them."""
     order = torch.argsort(anchors, stable=True)
     costs = anchor_costs(anchors, config)
-    starts = sorted((lo, r) for r, ivs in enumerate(intervals) for lo, hi in ivs if hi > lo)
-    lo_of = torch.tensor([lo for lo, _ in starts], dtype=torch.long)
-    rank_of = torch.tensor([r for _, r in starts], dtype=torch.long)
-    home = rank_of[torch.searchsorted(lo_of, (anchors[order].to(torch.long) - 1).clamp(min=0), right=True) - 1]
-    ordered_costs, homes = [costs[i] for i in order.tolist()], home.tolist()
-    run = max(1, Q_TILE_ROWS // config.draft_block_size)
-    while run >= 1:  # tile-filling runs first; shorter units balance few anchors over many ranks
-        items = assign_near_home(ordered_costs, homes, world_size, run=run, slack=RUN_LOAD_SLACK)
-        if items is not None:
-            return [order[list(ids)] for ids in items]
-        run //= 2
-    return None
+    home = _zigzag(seq_len, world_size).owner_at((anchors[order].to(torch.long) - 1).clamp(min=0))
+    items = assign_near_home(
+        [costs[i] for i in order.tolist()], home.tolist(), world_size,
+        run=max(1, Q_TILE_ROWS // config.draft_block_size), slack=RUN_LOAD_SLACK, halve=True,
+    )  # fmt: skip
+    return None if items is None else [order[list(ids)] for ids in items]
 
 
 def _block_tokens(anchors: torch.Tensor, idx: torch.Tensor, S: int) -> TokenSet:
@@ -220,6 +211,11 @@ def _padded(chosen: torch.Tensor, spare: torch.Tensor, bucket: int) -> torch.Ten
     return out
 
 
+def _zigzag(seq_len: int, world_size: int) -> ZigzagShards:
+    """The drafter's zigzag context sharding (tile-aligned chunks, `_granule`)."""
+    return ZigzagShards(seq_len, _granule(seq_len, world_size), world_size)
+
+
 @functools.lru_cache(maxsize=16)
 def _context_shards(
     seq_len: int, world_size: int
@@ -227,7 +223,7 @@ def _context_shards(
     """Zigzag context rows (positions, intervals) per rank; anchor-independent, so cached across steps."""
     if world_size == 1:
         return [torch.arange(seq_len)], [((0, seq_len),)]
-    zig = ZigzagShards(seq_len, _granule(seq_len, world_size), world_size)
+    zig = _zigzag(seq_len, world_size)
     return [zig.rank_positions(r) for r in range(world_size)], [
         tuple(zig.rank_intervals(r)) for r in range(world_size)
     ]
@@ -262,7 +258,7 @@ def drafter_plans(
     if mode == "csbp":
         # windows local where the load allows it (only sliding-window layers can gather less)
         near = "sliding_attention" in config.layer_types and P > 1
-        owned = (own_anchors_near_context(anchors, config, P, intervals) if near else None) or own_anchor_runs(
+        owned = (own_anchors_near_context(anchors, config, P, L) if near else None) or own_anchor_runs(
             anchors, config, P
         )
     else:
