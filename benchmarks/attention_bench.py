@@ -25,6 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from specforge_csbp.bench.isolation import fresh_point
 from specforge_csbp.bench.records import BenchRecord, write_records
 from specforge_csbp.distributed.collectives import CommStats
 from specforge_csbp.layout import bdlm_plan
@@ -258,10 +259,10 @@ def run(args) -> list[BenchRecord]:
             base = dict(workload="attention", mode=mode, world_size=1 if mode == "reference" else world,
                         context_len=seq_len, block_size=args.block_size, device=device_desc, date=today,
                         command=command, launch=command, schedule=args.schedule, regather=args.regather, pack_gqa=args.pack_gqa, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-                        dtype=str(dtype).removeprefix("torch."), check_rel_err=checks.get(mode))  # fmt: skip
+                        dtype=str(dtype).removeprefix("torch."), check_rel_err=checks.get(mode), fresh_compile=True)  # fmt: skip
             try:
+                fresh_point()  # no mode inherits another's compiled kernels (bench/isolation.py)
                 if device.type == "cuda":
-                    torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats(device)
                 built = _build(mode, seq_len, args, device)
                 step_ms, exposed = float("nan"), None

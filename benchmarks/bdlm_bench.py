@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from specforge_csbp.bench.isolation import fresh_point
 from specforge_csbp.distributed.collectives import COMM_STATS
 from specforge_csbp.distributed.launch import init_from_env, spawn
 from specforge_csbp.layout.plans import check_bdlm_shape
@@ -221,6 +222,7 @@ def run_point(
         steps=args.steps,
         warmup=args.warmup,
         schedule=args.schedule,
+        fresh_compile=True,  # fresh_point() before every mode
         status="ok",
     )
     if rank not in participants:
@@ -398,6 +400,7 @@ def _rank_main(rank: int, world: int, args) -> None:
     records = []
     for seq_len in args.contexts:
         for mode in args.modes:
+            fresh_point()  # no mode inherits another's compiled kernels (bench/isolation.py)
             record = run_point(args, model, optimizer, timer, single, mode, seq_len, device, ref_tps)
             if rank == 0 and record is not None:
                 records.append(record)

@@ -42,13 +42,13 @@ import shlex
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from specforge_csbp.bench.isolation import fresh_point
 from specforge_csbp.bench.records import BenchRecord, write_records
 from specforge_csbp.distributed.collectives import CommStats
 from specforge_csbp.models.dflash import (
@@ -60,6 +60,7 @@ from specforge_csbp.models.dflash import (
     make_dflash_config,
     plan_attention,
 )
+from specforge_csbp.models.dflash.prefetch import AttentionOptions, StepPrefetcher
 from specforge_csbp.models.dflash.sharding import prepare_plan_attention, reference_attention
 from specforge_csbp.models.dflash.step import prepare_step
 from specforge_csbp.objectives.dflash import DFlashObjective, block_targets, loss_terms, sample_anchors
@@ -118,6 +119,8 @@ def parse_args(argv=None):
                    help="csbp: one fused attention call after the gather (default; overlap with --regather), "
                    "or overlap the gather with attention over the local keys")
     p.add_argument("--peak-tflops", type=float, default=781.0, help="bf16 GEMM peak per GPU for MFU")
+    p.add_argument("--prefetch-masks", action=argparse.BooleanOptionalAction, default=True,
+                   help="build the next step's attention masks in a worker thread on a side stream (prefetch.py)")
     p.add_argument("--pack-gqa", choices=["auto", "on", "off"], default="auto",
                    help="GQA head packing in the attention seam (auto: decided from the block masks)")
     p.add_argument("--check-context", type=int, default=0,
@@ -467,17 +470,28 @@ def run_ours(mode, L, N, config, model, head, embed, env, args) -> dict:
     objective, samples = make_samples(mode, L, N, config, model.fc.in_features, env, args.seed)
     stats = CommStats()
     box = {}
-    # anchors are re-drawn every step; the next step's plans are built on the CPU while this one runs
-    pool = ThreadPoolExecutor(1)
-
+    # anchors are re-drawn every step; the next step's plans (and, with --prefetch-masks, its attention
+    # executors and masks, on a side stream) are built in a worker thread while this one runs
     def prepare(i):
         return prepare_step(config, samples, objective=objective, mode=mode, step=i, bucket=args.bucket)
 
-    state = {"i": 0, "next": pool.submit(prepare, 0)}
+    prefetchers: dict[bool, StepPrefetcher] = {}  # one per `communicate` (the options a prepared step carries)
+    state = {"i": 0}
+
+    def prepared_step(i, communicate):
+        if communicate not in prefetchers:
+            options = AttentionOptions(None, env.backend, communicate, stats, args.regather, args.schedule, args.pack)
+            prefetchers[communicate] = StepPrefetcher(
+                prepare, options, device=env.device, groups=groups, masks=args.prefetch_masks
+            )
+        return prefetchers[communicate].take(i)
+
+    groups = config.num_attention_heads // config.num_key_value_heads
 
     def step(communicate=True):
-        i, prepared = state["i"], state["next"].result()
-        state["i"], state["next"] = i + 1, pool.submit(prepare, i + 1)
+        i = state["i"]
+        prepared = prepared_step(i, communicate)
+        state["i"] = i + 1
         model.zero_grad(set_to_none=True)
         box["res"] = drafter_step(
             model, samples, objective=objective, mode=mode, head_weight=head, embed_weight=embed, step=i,
@@ -527,7 +541,8 @@ def run_ours(mode, L, N, config, model, head, embed, env, args) -> dict:
             rec["ceiling"] = (C + A / P + D) / (C + A / P + D / P)
             rec["components_ms"].update(attention_total_ms=A, block_local_all_anchors_ms=D)
     model.zero_grad(set_to_none=True)
-    pool.shutdown(wait=True, cancel_futures=True)
+    for prefetcher in prefetchers.values():
+        prefetcher.close()
     return rec
 
 
@@ -615,9 +630,14 @@ def run_points(args, env, points):
     model = None
     records = []
     for mode, L, N in points:
+        fresh_point()  # no mode inherits another's compiled kernels (bench/isolation.py)
+        # what earlier points of this launch still hold (our model's weights; anything more is a leftover that
+        # the point's peak will include, e.g. after mode specforge: docs/performance.md)
+        held = torch.cuda.memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else 0.0
         base = {"workload": f"drafter-{name}", "mode": mode, "world_size": 1 if mode == "specforge" else env.world,
                     "context_len": L, "block_size": config.draft_block_size, "anchors": N, "dflash2": config.is_dflash2,
                     "regather": args.regather, "schedule": args.schedule, "pack_gqa": args.pack_gqa,
+                    **({} if mode == "specforge" else {"prefetch_masks": args.prefetch_masks}), "fresh_compile": True, "start_allocated_gib": held,
                     **({"check_rel_err": checked[mode]} if mode in checked else {}),
                     "device": env.name, "date": datetime.date.today().isoformat(), "command": command_line(env)}  # fmt: skip
         try:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 4 GPU runs (2 GPUs), in two parts of < 10 min each: bash benchmarks/drafter_gpu.sh 1|2
+# Issue 4 GPU runs (2 GPUs), in parts of < 10 min each: bash benchmarks/drafter_gpu.sh 1|2|3
 # Every stage has its own time limit so one slow stage cannot take the others' time; records are written
 # point by point. Earlier forms of these parts: benchmarks/logs/drafter_h200x2_2026-11-29{,_b}.log.
 # Part 1: why CSBP loses at 512K / 512 anchors (session 3: 0.88x CP, ceiling 1.19x, ~180 ms per step outside
@@ -23,6 +23,18 @@ case "${1:-1}" in
   stage 150 torchrun --nproc-per-node 2 $B --shape a --modes csbp,cp --contexts 1M --anchors 512 --regather --out "$R"
   stage 200 env CUDA_VISIBLE_DEVICES=0 python3 $B --shape a --no-dflash2 --modes csbp,specforge --contexts 256K,512K \
     --anchors 512 --no-components --out "$R"
+  ;;
+3)
+  # Session 4: every mode of a launch now starts from a fresh compile state (bench/isolation.py), CP runs
+  # first, and the next step's masks are built ahead on a side stream (models/dflash/prefetch.py). The first
+  # stage also tells whether that path works here: if it recorded nothing, the rest run without it.
+  stage 100 torchrun --nproc-per-node 2 $B --shape a --modes dp,csbp --contexts 128K --anchors 512 --out "$R"
+  PF=""; grep -q '"status":"ok"' "$R" 2>/dev/null || PF=--no-prefetch-masks
+  stage 120 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 512K --anchors 512 $PF --out "$R"
+  stage 100 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 128K --anchors 2048 $PF --out "$R"
+  stage 120 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 1M --anchors 512 $PF --out "$R"
+  stage 120 env CUDA_VISIBLE_DEVICES=0 python3 $B --shape a --no-dflash2 --modes specforge,csbp \
+    --contexts 64K,128K,256K --anchors 512 --no-components $PF --out "$R"
   ;;
 esac
 echo "== $(date -u +%T) done"

@@ -92,7 +92,7 @@ def test_report_tables_speedups_plots_csv_deterministic(tmp_path):
         cells.append("bp oom" if at["bp"]["status"] == "oom" else
                      f"{at['csbp']['tokens_per_s'] / at['bp']['tokens_per_s']:.2f}x")  # fmt: skip
         line = next(x for x in text.splitlines() if x.startswith(f"| {ctx} | 2 | 16 | H200 | 2025-11-30"))
-        assert line.endswith(" | ".join(cells) + " |"), line
+        assert line.endswith(" | ".join(cells) + " | no |"), line  # these records do not say fresh_compile
     recs = load_records(tmp_path / "results")
     spd = {(s.key[0], s.key[1], s.key[4], s.other_mode): s for s in speedups(recs)}
     assert not any(k[2] == "2025-12-01" for k in spd)  # the lone second-day record has no partner
@@ -122,3 +122,23 @@ def test_render_script_runs_from_any_directory(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "15 records" not in proc.stdout and "16 records" in proc.stdout
     assert (tmp_path / "doc" / "img" / "drafter_speedup.png").exists()
+
+
+def test_speedup_table_says_whether_every_mode_compiled_fresh(tmp_path):
+    """A side-by-side group is `fresh compile: yes` only when every record of it started from a fresh
+    compile state (bench/isolation.py's field, or a sweep point's own process)."""
+    recs = [
+        _rec("drafter", "cp", 1 << 16, 300.0, fresh_compile=True),
+        _rec("drafter", "csbp", 1 << 16, 330.0, fresh_compile=True),
+        _rec("drafter", "cp", 1 << 17, 200.0),  # an older launch: the later mode may carry the order effect
+        _rec("drafter", "csbp", 1 << 17, 260.0, fresh_compile=True),
+        _rec("drafter", "cp", 1 << 18, 100.0, point="drafter/cp/P2/L262144"),  # sweep: one process per point
+        _rec("drafter", "csbp", 1 << 18, 110.0, point="drafter/csbp/P2/L262144"),
+    ]
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    text, _ = _render(tmp_path, "fresh")
+    table = text.split("### CSBP speedup, measured side by side")[1].split("### Runs")[0]
+    rows = {line.split("|")[1].strip(): line.rstrip(" |").rsplit("|", 1)[-1].strip()
+            for line in table.splitlines() if line[:3] in ("| 6", "| 1", "| 2")}  # fmt: skip
+    assert rows == {"65536": "yes", "131072": "no", "262144": "yes"}, table

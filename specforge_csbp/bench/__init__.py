@@ -5,9 +5,17 @@
     plots.py     PNG plots of one workload (tokens/s, CSBP speedup, peak memory vs context)
     report.py    markdown report + CSV from records (`specforge-csbp report`)
     grid.py      sweep points and their command lines (the benchmark-script contract)
+    isolation.py fresh_point(): every mode of a launch starts from the same compile/allocator state
     runner.py    run a sweep: fresh process per point, oom/error recorded, resumable (`specforge-csbp sweep`)
 """
 
-from .records import BenchRecord, load_records, write_records
-
 __all__ = ["BenchRecord", "load_records", "write_records"]
+
+
+def __getattr__(name: str):
+    # Lazy, so that `bench.isolation` imports without pydantic (bdlm_bench.py runs on machines without it).
+    if name in __all__:
+        from . import records
+
+        return getattr(records, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,7 +25,7 @@ from .compare import extra_fields, group_side_by_side, mode_rank, speedups
 from .plots import plot_workload
 from .records import BenchRecord, load_records
 
-__all__ = ["CSV_FIELDS", "format_value", "record_sort_key", "render_markdown", "write_csv", "write_report"]
+__all__ = ["CSV_FIELDS", "format_value", "fresh_compile", "record_sort_key", "render_markdown", "write_csv", "write_report"]
 
 # Table columns (field, header); attention-only columns appear when a workload's records carry them.
 CORE_COLUMNS = (
@@ -85,7 +85,11 @@ def _pct(pred: float | None, meas: float | None) -> str:
 
 
 def _workload_section(
-    recs: list[BenchRecord], plots: dict[str, Path], doc_dir: Path, predictor: Predictor | None = None
+    recs: list[BenchRecord],
+    plots: dict[str, Path],
+    doc_dir: Path,
+    predictor: Predictor | None = None,
+    predicted_since: str | None = None,
 ) -> list[str]:
     workload = recs[0].workload
     lines = [f"## {workload}", ""]
@@ -129,7 +133,7 @@ def _workload_section(
         rows.append(row)
     lines += ["### All records", ""] + _table(header, rows) + [""]
     if with_pred:
-        lines += _prediction_summary(recs, preds) + [""]
+        lines += _prediction_summary(recs, preds, predicted_since) + [""]
 
     spd = speedups(recs)
     if spd:
@@ -140,15 +144,16 @@ def _workload_section(
             by_key.setdefault(s.key, {})[s.other_mode] = s.text
             base[s.key] = s.csbp
         header = ["context_len", "world_size", "block_size", "device", "date", "CSBP tokens/s"]
-        header += [f"CSBP / {m}" for m in others]
+        header += [f"CSBP / {m}" for m in others] + ["fresh compile"]
         rows = []
-        for key in group_side_by_side(recs):
+        for key, by_mode in group_side_by_side(recs).items():
             if key not in by_key:
                 continue
             c = base[key]
             row = [str(c.context_len), str(c.world_size), str(c.block_size), format_value(c.device),
                    format_value(c.date), format_value(c.tokens_per_s)]  # fmt: skip
             row += [by_key[key].get(m, "—") for m in others]
+            row.append("yes" if all(fresh_compile(r) for rs in by_mode.values() for r in rs) else "no")
             rows.append(row)
         rows.sort(key=lambda row: (row[3], row[4], int(row[1]), int(row[2]), int(row[0])))
         lines += [
@@ -156,7 +161,11 @@ def _workload_section(
             "",
             "Computed from the records above: same workload, context, world size, block size, date, device and launch "
             "(tokens/s of CSBP over tokens/s of the other mode; the fastest ok record when a mode was repeated; "
-            "`<mode> oom` where the other mode did not fit).",
+            "`<mode> oom` where the other mode did not fit). `fresh compile`: every mode started from a fresh "
+            "compile state (its own process, or `bench/isolation.py`'s reset). Where it says no, a mode that ran "
+            "after another in the same process inherited that mode's compiled FlexAttention kernels and may have "
+            "run slower for it (measured up to 13% per step, docs/performance.md): treat that ratio as an upper "
+            "bound on CSBP's lead.",
             "",
         ]
         lines += _table(header, rows) + [""]
@@ -168,21 +177,40 @@ def _workload_section(
     return lines
 
 
-def _prediction_summary(recs: list[BenchRecord], preds: list) -> list[str]:
-    tps = [abs(p.tokens_per_s / r.tokens_per_s - 1) for r, p in zip(recs, preds) if p and r.tokens_per_s]
-    mem = [abs(p.peak_gib / r.peak_mem_gib - 1) for r, p in zip(recs, preds) if p and r.peak_mem_gib]
+def fresh_compile(r: BenchRecord) -> bool:
+    """Did this record's mode start from a fresh compile state: the benchmark reset it (`fresh_compile`),
+    or the sweep ran the point in its own process (`point`)?"""
+    extra = r.model_extra or {}
+    return bool(extra.get("fresh_compile")) or "point" in extra
 
-    def stat(errs: list[float]) -> str:
-        if not errs:
-            return "no points"
-        within = sum(e <= PLANNER_TARGET for e in errs)
-        return (f"max {100 * max(errs):.1f}%, mean {100 * sum(errs) / len(errs):.1f}%, "
-                f"{within}/{len(errs)} within {100 * PLANNER_TARGET:.0f}%")  # fmt: skip
 
-    return [
-        f"Planner (`specforge-csbp plan`) against these measurements: tokens/s error {stat(tps)}; "
-        f"peak memory error {stat(mem)}.",
-    ]
+def _prediction_summary(recs: list[BenchRecord], preds: list, since: str | None = None) -> list[str]:
+    """Error of the planner on the records; with `since` (the profile's calibration date) also on the
+    records measured that day or later - the code the calibration timed; older records ran older code."""
+
+    def stat(pairs: list) -> tuple[str, str]:
+        tps = [abs(p.tokens_per_s / r.tokens_per_s - 1) for r, p in pairs if p and r.tokens_per_s]
+        mem = [abs(p.peak_gib / r.peak_mem_gib - 1) for r, p in pairs if p and r.peak_mem_gib]
+
+        def one(errs: list[float]) -> str:
+            if not errs:
+                return "no points"
+            within = sum(e <= PLANNER_TARGET for e in errs)
+            return (f"max {100 * max(errs):.1f}%, mean {100 * sum(errs) / len(errs):.1f}%, "
+                    f"{within}/{len(errs)} within {100 * PLANNER_TARGET:.0f}%")  # fmt: skip
+
+        return one(tps), one(mem)
+
+    pairs = list(zip(recs, preds))
+    lines = []
+    if since is not None:
+        tps, mem = stat([(r, p) for r, p in pairs if r.date >= since])
+        lines.append(f"Planner (`specforge-csbp plan`) against the measurements of {since} or later (the code its "
+                     f"profile calibrated): tokens/s error {tps}; peak memory error {mem}.")  # fmt: skip
+    tps, mem = stat(pairs)
+    lines.append(f"Planner against {'all ' if since else ''}these measurements: tokens/s error {tps}; "
+                 f"peak memory error {mem}.")  # fmt: skip
+    return lines
 
 
 def render_markdown(
@@ -195,6 +223,7 @@ def render_markdown(
     generator: str = "specforge-csbp report",
     predictor: Predictor | None = None,
     predictor_note: str = "",
+    predicted_since: str | None = None,
 ) -> str:
     """The whole report as markdown; writes the PNGs into img_dir (default: <doc dir>/img). With a
     `predictor` (planner/validate.py), ok records get the planner's prediction and its error beside them."""
@@ -217,7 +246,7 @@ def render_markdown(
     for w in workloads:
         recs = [r for r in records if r.workload == w]
         plots = plot_workload(recs, w, img_dir)
-        lines += _workload_section(recs, plots, doc_dir, predictor)
+        lines += _workload_section(recs, plots, doc_dir, predictor, predicted_since)
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
@@ -247,6 +276,7 @@ def write_report(
     generator: str = "specforge-csbp report",
     predictor: Predictor | None = None,
     predictor_note: str = "",
+    predicted_since: str | None = None,
 ) -> list[BenchRecord]:
     """Load every record under `results`, write the markdown (and optionally the CSV); returns the records."""
     paths = results if isinstance(results, list) else [results]
@@ -254,7 +284,8 @@ def write_report(
     records = load_records(existing) if existing else []
     source = ", ".join(Path(p).as_posix().rstrip("/") + ("/" if Path(p).is_dir() else "") for p in paths)
     text = render_markdown(records, doc_path=doc_path, img_dir=img_dir, title=title, source=source,
-                           generator=generator, predictor=predictor, predictor_note=predictor_note)  # fmt: skip
+                           generator=generator, predictor=predictor, predictor_note=predictor_note,
+                           predicted_since=predicted_since)  # fmt: skip
     Path(doc_path).parent.mkdir(parents=True, exist_ok=True)
     Path(doc_path).write_text(text)
     if csv_path is not None:

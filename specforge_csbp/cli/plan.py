@@ -3,6 +3,8 @@
     specforge-csbp plan --model config.json --context 512K --gpus 8 --gpu-mem 141 [--workload drafter]
     specforge-csbp plan --calibrate --profile-out h200x2.json            # CPU: spawns gloo ranks
     torchrun --nproc-per-node 2 -m specforge_csbp plan --calibrate --profile-out h200x2.json
+    torchrun --nproc-per-node 2 -m specforge_csbp plan --calibrate --model qwen3-1.7b.json --workload sft \
+        --profile-out h200x2.json        # + the rate of this model's own decoder layer (BDLM workloads)
 
 Prints every layout's predicted step time, tokens/s and peak memory, the recommended layout, and the
 predicted scaling to 8 and 16 GPUs at 512K and 1M next to the calibration it comes from.
@@ -18,7 +20,7 @@ import sys
 from dataclasses import asdict
 
 from ..bench.grid import parse_size
-from ..planner.cost import WORKLOADS, Options, Prediction
+from ..planner.cost import WORKLOADS, Options, Prediction, bdlm_layer
 from ..planner.profile import BUILTIN_PROFILES, MachineProfile, calibrate, load_profile
 from ..planner.search import plan_layouts, scaling_table
 from ..planner.shapes import ModelShape, load_shape
@@ -36,7 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workload", choices=WORKLOADS, default=None, help="default: drafter for drafter configs, else sft")
     p.add_argument("--profile", default="h200-nominal",
                    help=f"machine profile JSON or built-in ({', '.join(BUILTIN_PROFILES)})")
-    p.add_argument("--calibrate", action="store_true", help="measure this machine's profile first")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine's profile first; with --model of an sft / convert workload "
+                        "also that model's decoder-layer rate (fp32 weights, bf16 autocast, --checkpointing)")
     p.add_argument("--world-size", type=int, default=2, help="gloo ranks for --calibrate on CPU")
     p.add_argument("--profile-out", default=None, help="write the calibrated profile here")
     p.add_argument("--block-size", type=int, default=16)
@@ -68,6 +72,7 @@ def format_plan(shape: ModelShape, workload: str, context: int, gpus: int, gpu_m
         f"(block {options.block_size}" + (f", {options.anchors} anchors" if workload == "drafter" else "")
         + f"), {gpus} GPU(s) x {gpu_mem:g} GiB",
         f"calibration: {profile.summary()}",
+        *_layer_rate_line(shape, workload, profile, options),
         "",
         f"{'layout':<16} {'step ms':>10} {'tokens/s':>12} {'peak GiB':>9}  {'fits':<4}  "
         "gemm / attention / loss / exposed comm ms",
@@ -104,6 +109,21 @@ def format_plan(shape: ModelShape, workload: str, context: int, gpus: int, gpu_m
     return "\n".join(lines)
 
 
+def _layer_rate_line(
+    shape: ModelShape, workload: str, profile: MachineProfile, options: Options
+) -> list[str]:
+    """Which rate a BDLM's token-wise work is charged at - only for profiles that measured a BDLM layer
+    (older profiles print what they always printed)."""
+    if workload == "drafter" or profile.bdlm_layer_tflops is None:
+        return []
+    key = bdlm_layer(shape, options).key
+    if profile.bdlm_layer_shape == key:
+        rate = profile.bdlm_layer_tflops
+        return [f"decoder layers: {rate:.3g} TFLOP/s, measured at this model's layer ({key})"]
+    return [(f"decoder layers: {profile.token_tflops:.3g} TFLOP/s (layer_tflops): the profile's BDLM layer "
+             f"is {profile.bdlm_layer_shape}, this plan's {key}; calibrate with --model to measure it")]
+
+
 def _pred_json(p: Prediction | None) -> dict | None:
     if p is None:
         return None
@@ -117,8 +137,17 @@ def _pred_json(p: Prediction | None) -> dict | None:
 def run(args: argparse.Namespace) -> int:
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     is_rank0 = not under_torchrun or os.environ.get("RANK") == "0"
+    shape = workload = None
+    if args.model is not None:  # before calibrating: a bad config fails in a second, not after the run
+        shape = load_shape(args.model)
+        workload = args.workload or ("drafter" if shape.drafter else "sft")
+        load_shape(args.model, workload=workload)  # one-line error when workload and config disagree
+    options = Options(block_size=args.block_size, anchors=args.anchors, state_bytes_per_param=args.state_bytes,
+                      checkpointing={"auto": None, "on": True, "off": False}[args.checkpointing])  # fmt: skip
     if args.calibrate:
-        profile = calibrate(args.world_size, command=shlex.join(["specforge-csbp", *sys.argv[1:]]))
+        layer = bdlm_layer(shape, options) if shape is not None and workload != "drafter" else None
+        command = shlex.join(["specforge-csbp", *sys.argv[1:]])
+        profile = calibrate(args.world_size, command=command, bdlm_layer=layer)
         if under_torchrun:
             import torch.distributed as dist
 
@@ -133,20 +162,15 @@ def run(args: argparse.Namespace) -> int:
             print(f"profile written to {args.profile_out}")
     else:
         profile = load_profile(args.profile)
-    if args.model is None:
+    if shape is None:
         if args.calibrate:
             return 0
         raise ValueError("model: give --model CONFIG (or --calibrate alone to only measure)")
-    shape = load_shape(args.model)
-    workload = args.workload or ("drafter" if shape.drafter else "sft")
-    load_shape(args.model, workload=workload)  # one-line error when workload and config disagree
     context = parse_size(args.context)
     if args.gpus < 1:
         raise ValueError(f"gpus must be >= 1, got {args.gpus}")
     if args.gpu_mem <= 0:
         raise ValueError(f"gpu_mem must be > 0 GiB, got {args.gpu_mem}")
-    options = Options(block_size=args.block_size, anchors=args.anchors, state_bytes_per_param=args.state_bytes,
-                      checkpointing={"auto": None, "on": True, "off": False}[args.checkpointing])  # fmt: skip
     result = plan_layouts(shape, workload, context, args.gpus, args.gpu_mem, profile, options)
     scaling = [] if args.no_scaling else scaling_table(shape, workload, args.gpu_mem, profile, options)
     print(format_plan(shape, workload, context, args.gpus, args.gpu_mem, profile, options, result.predictions,

@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    predictor, note = None, ""
+    predictor, note, since = None, "", None
     if args.predict:
         from ..planner.profile import load_profile
         from ..planner.validate import record_predictor
@@ -37,9 +37,10 @@ def run(args: argparse.Namespace) -> int:
             models[workload] = config
         profile = load_profile(args.profile)
         predictor = record_predictor(models, profile)
+        since = profile.date if profile.measured else None
         note = (f"Planner predictions use the profile `{args.profile}` ({profile.summary()}) and the model "
                 "configs " + ", ".join(f"`{w}`: `{c}`" for w, c in sorted(models.items())) + ".")
     records = write_report(args.results, args.out, img_dir=args.img_dir, csv_path=args.csv, title=args.title,
-                           predictor=predictor, predictor_note=note)
+                           predictor=predictor, predictor_note=note, predicted_since=since)
     print(f"report: {len(records)} records -> {args.out}")
     return 0

@@ -16,7 +16,9 @@ Rates (profile.py; each optional rate falls back - token and loss rates to the G
 rates to attn_tflops - so older profiles predict as before):
 
     token rate      layer_tflops: a whole eager decoder layer (GEMMs + norms, RoPE, SwiGLU) - GEMMs,
-                    drafter fc and context K/V projections
+                    drafter fc and context K/V projections; BDLM layers: bdlm_layer_tflops when the profile
+                    measured this model's own layer at this precision and checkpointing (the key
+                    rates.BDLMLayerSpec.key), else layer_tflops
     attention rate  attn_tflops (BDLM); drafter layers: attn_window_tflops (draft blocks over a sliding
                     window) / attn_draft_tflops (over the whole context), each falling back to attn_tflops
     loss rate       loss_tflops (trainable head: BDLM) / loss_topk_tflops (frozen head + top-k: drafter)
@@ -40,10 +42,10 @@ from dataclasses import dataclass, field
 from .memory import MemoryBreakdown, bdlm_step_memory, drafter_step_memory
 from .pairs import bdlm_rank_stats, drafter_rank_stats
 from .profile import MachineProfile
-from .rates import ADAMW_BYTES_PER_PARAM
+from .rates import ADAMW_BYTES_PER_PARAM, BDLMLayerSpec
 from .shapes import ModelShape
 
-__all__ = ["WORKLOADS", "Layout", "Options", "Prediction", "predict"]
+__all__ = ["WORKLOADS", "Layout", "Options", "Prediction", "bdlm_layer", "predict"]
 
 WORKLOADS = ("sft", "convert", "drafter")
 KERNELS_PER_LAYER = 80  # launches of one decoder layer's forward + backward (order of magnitude)
@@ -90,6 +92,14 @@ class Prediction:
     memory: MemoryBreakdown | None = None
 
 
+def bdlm_layer(shape: ModelShape, opt: Options) -> BDLMLayerSpec:
+    """The decoder layer a BDLM plan runs (BDLM defaults: fp32 weights under bf16 autocast, checkpointing):
+    its key selects the profile's bdlm_layer_tflops, and `plan --calibrate --model` measures it."""
+    autocast = True if opt.autocast is None else opt.autocast
+    checkpointing = True if opt.checkpointing is None else opt.checkpointing
+    return BDLMLayerSpec.of(shape, autocast=autocast, checkpointing=checkpointing)
+
+
 def _grad_sync_ms(shape: ModelShape, gpus: int, profile: MachineProfile) -> float:
     if gpus <= 1:
         return 0.0
@@ -100,10 +110,13 @@ def _grad_sync_ms(shape: ModelShape, gpus: int, profile: MachineProfile) -> floa
 def _bdlm(shape, workload, context, layout, profile, opt) -> Prediction:
     S, P = opt.block_size, layout.cp
     views = 2 if workload == "convert" else 1  # conversion: two complementary views, batch doubled
-    ckpt = True if opt.checkpointing is None else opt.checkpointing
+    layer = bdlm_layer(shape, opt)
+    ckpt, autocast = layer.checkpointing, layer.autocast
     stats = bdlm_rank_stats("dp" if layout.mode == "dp" else layout.mode, context, S, P, opt.clean_within_block)
     e = profile.elem_bytes
-    gemm, attn = profile.token_tflops * 1e12, profile.attn_tflops * 1e12
+    # token-wise work at the rate of this model's own layer when the profile measured it (same widths,
+    # precision and checkpointing), else at layer_tflops (a Qwen3-8B-width bf16 layer) as before
+    gemm, attn = profile.bdlm_layer_rate(layer.key) * 1e12, profile.attn_tflops * 1e12
     loss_rate = profile.loss_rate_tflops(frozen_head_topk=False) * 1e12
     fpp = shape.attention_flops_per_pair()
     kv_row = 2 * shape.kv_heads * shape.head_dim * e
@@ -127,7 +140,7 @@ def _bdlm(shape, workload, context, layout, profile, opt) -> Prediction:
     mem = max(
         (bdlm_step_memory(shape, s, views=views, elem_bytes=e, state_bytes=opt.state_bytes_per_param,
                           checkpointing=ckpt, ce_chunk=opt.ce_chunk, reserved_gib=profile.reserved_gib,
-                          residual_bytes=4 if (True if opt.autocast is None else opt.autocast) else e)
+                          residual_bytes=4 if autocast else e)
          for s in stats),
         key=lambda m: m.total,
     )  # fmt: skip

@@ -11,10 +11,15 @@
     adamw_gbps           bytes / time of one fused AdamW step (28 bytes per fp32 parameter)
     attn_window_tflops   useful attention FLOP/s of DFlash draft blocks over a sliding window (rates.py)
     attn_draft_tflops    the same for draft blocks over the whole context (full-attention drafter layers)
+    bdlm_layer_tflops    GEMM FLOPs / time of one BDLM decoder layer at a model's own widths and precision
+                         (fp32 weights under bf16 autocast, checkpointing recompute counted; rates.py),
+    bdlm_layer_shape     ... and which layer that was (`rates.BDLMLayerSpec.key`); measured by
+                         `calibrate(bdlm_layer=...)` = `plan --calibrate --model M` for sft / convert
 
-The last six are optional (None in profiles calibrated before they existed: the cost model then charges
-that work at gemm_tflops, drafter attention at attn_tflops, and no optimizer time, exactly as those
-profiles always predicted).
+The last eight are optional (None in profiles calibrated before they existed: the cost model then charges
+that work at gemm_tflops, drafter attention at attn_tflops, BDLM layers at layer_tflops (also when the
+planned model's layer is not the one measured), and no optimizer time, exactly as those profiles always
+predicted).
 
 A profile is JSON (`MachineProfile`); `calibrate` writes one. Collectives need >= 2 ranks: run it under
 torchrun on GPUs, or let it spawn gloo ranks on CPU. Sizes are tiny on CPU, realistic on GPU.
@@ -33,13 +38,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .rates import measure_drafter_attention, measure_work_rates, timed
+from .rates import BDLMLayerSpec, measure_bdlm_layer, measure_drafter_attention, measure_work_rates, timed
 
 __all__ = ["BUILTIN_PROFILES", "MachineProfile", "calibrate", "load_profile"]
 
-BUILTIN_PROFILES = ("h200-nominal", "h200x2-2026-11-29")
+BUILTIN_PROFILES = ("h200-nominal", "h200x2-2026-11-29", "h200x2-2026-11-30")
 
 
 class MachineProfile(BaseModel):
@@ -63,11 +68,22 @@ class MachineProfile(BaseModel):
     adamw_gbps: float | None = Field(default=None, gt=0, description="fused AdamW step, 28 B per parameter")
     attn_window_tflops: float | None = Field(default=None, gt=0, description="draft blocks, sliding window")
     attn_draft_tflops: float | None = Field(default=None, gt=0, description="draft blocks, whole context")
+    bdlm_layer_tflops: float | None = Field(default=None, gt=0, description="BDLM layer at bdlm_layer_shape")
+    bdlm_layer_shape: str | None = Field(default=None, min_length=1, description="BDLMLayerSpec.key measured")
     calibration_s: float | None = Field(default=None, ge=0, description="wall seconds the calibration took")
     gpus_per_node: int = Field(default=8, ge=1)
     internode_gbps: float | None = Field(default=None, gt=0, description="per-GPU bandwidth across nodes")
     reserved_gib: float = Field(default=0.0, ge=0, description="memory tensors cannot use (context, slack)")
     command: str = ""
+
+    @model_validator(mode="after")
+    def _bdlm_layer_pair(self) -> MachineProfile:
+        if (self.bdlm_layer_tflops is None) != (self.bdlm_layer_shape is None):
+            raise ValueError(
+                "bdlm_layer_tflops and bdlm_layer_shape: give both (the rate and the layer it measured) "
+                "or neither"
+            )
+        return self
 
     @property
     def elem_bytes(self) -> int:
@@ -77,6 +93,13 @@ class MachineProfile(BaseModel):
     def token_tflops(self) -> float:
         """Rate of token-wise work (decoder-layer GEMMs with their norms/RoPE/SwiGLU, projections)."""
         return self.layer_tflops or self.gemm_tflops
+
+    def bdlm_layer_rate(self, layer_key: str) -> float:
+        """Rate of a BDLM's token-wise work: bdlm_layer_tflops when it was measured for exactly this layer
+        (`BDLMLayerSpec.key`: widths, precision, checkpointing), else token_tflops (as before it existed)."""
+        if self.bdlm_layer_tflops is not None and self.bdlm_layer_shape == layer_key:
+            return self.bdlm_layer_tflops
+        return self.token_tflops
 
     def loss_rate_tflops(self, frozen_head_topk: bool) -> float:
         """Rate of the vocabulary loss: the drafter's (frozen head + top-k) or the BDLM's (trainable head);
@@ -121,6 +144,8 @@ class MachineProfile(BaseModel):
         if self.attn_window_tflops is not None or self.attn_draft_tflops is not None:
             work += (f", drafter attention window {g(self.attn_window_tflops)} / full "
                      f"{g(self.attn_draft_tflops)} TFLOP/s")  # fmt: skip
+        if self.bdlm_layer_tflops is not None:
+            work += f", BDLM layer {g(self.bdlm_layer_tflops)} TFLOP/s ({self.bdlm_layer_shape})"
         return (
             f"{self.device}, {kind} {self.date} on {self.world_size} rank(s), {self.dtype}/{self.attention_backend}: "
             f"GEMM {g(self.gemm_tflops)} TFLOP/s, attention {g(self.attn_tflops)} TFLOP/s, all-gather "
@@ -152,10 +177,13 @@ def _sizes(device: torch.device) -> dict:
     return dict(n=256, L=128, S=16, H=4, Hk=2, D=32, comm_bytes=4 << 20, dtype=torch.float32, reps=5)
 
 
-def _measure_compute(device: torch.device) -> dict:
+def _measure_compute(device: torch.device, bdlm_layer: BDLMLayerSpec | None = None) -> dict:
     """Every compute rate: the kernels below, then the drafter's attention and the work a step runs
-    (rates.py) - each after the previous one's tensors are freed."""
-    return {**_measure_kernels(device), **measure_drafter_attention(device), **measure_work_rates(device)}
+    (rates.py), then a BDLM model's own layer when asked - each after the previous one's tensors are freed."""
+    values = {**_measure_kernels(device), **measure_drafter_attention(device), **measure_work_rates(device)}
+    if bdlm_layer is not None:
+        values.update(measure_bdlm_layer(device, bdlm_layer))
+    return values
 
 
 def _measure_kernels(device: torch.device) -> dict:
@@ -220,10 +248,10 @@ def _device_name(device: torch.device) -> str:
     return f"cpu ({platform.machine() or 'unknown'})"
 
 
-def _calibrate_rank(rank: int, world: int, out_path: str) -> None:
+def _calibrate_rank(rank: int, world: int, out_path: str, bdlm_layer: BDLMLayerSpec | None = None) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     start = time.perf_counter()
-    values = _measure_compute(device)
+    values = _measure_compute(device, bdlm_layer)
     if device.type == "cuda":  # CUDA context and other users now, plus 5% allocator slack
         torch.cuda.empty_cache()  # blocks the measurements cached are usable by tensors: not reserved
         free, total = torch.cuda.mem_get_info(device)
@@ -242,9 +270,12 @@ def _calibrate_rank(rank: int, world: int, out_path: str) -> None:
             json.dump(merged, f)
 
 
-def calibrate(world_size: int = 2, *, command: str = "") -> MachineProfile:
+def calibrate(
+    world_size: int = 2, *, command: str = "", bdlm_layer: BDLMLayerSpec | None = None
+) -> MachineProfile:
     """Measure this machine. Under torchrun (RANK set) every rank takes part and all return the profile;
-    otherwise `world_size` gloo ranks are spawned on the CPU (1 = compute only, no collective rates)."""
+    otherwise `world_size` gloo ranks are spawned on the CPU (1 = compute only, no collective rates).
+    `bdlm_layer`: also measure that BDLM layer (bdlm_layer_tflops / bdlm_layer_shape; rates.py)."""
     from ..distributed.launch import init_from_env, spawn
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -252,7 +283,7 @@ def calibrate(world_size: int = 2, *, command: str = "") -> MachineProfile:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             init_from_env()
             world = dist.get_world_size()
-            _calibrate_rank(dist.get_rank(), world, out)
+            _calibrate_rank(dist.get_rank(), world, out, bdlm_layer)
             obj = [None]
             if dist.get_rank() == 0:
                 obj = [Path(out).read_text()]
@@ -261,12 +292,12 @@ def calibrate(world_size: int = 2, *, command: str = "") -> MachineProfile:
         elif world_size == 1:
             world = 1
             start = time.perf_counter()
-            data = _measure_compute(torch.device("cpu"))
+            data = _measure_compute(torch.device("cpu"), bdlm_layer)
             data["calibration_s"] = time.perf_counter() - start
             data["device"] = _device_name(torch.device("cpu"))
         else:
             world = world_size
-            spawn(_calibrate_rank, world_size, out)
+            spawn(_calibrate_rank, world_size, out, bdlm_layer)
             data = json.loads(Path(out).read_text())
     gpus_per_node = torch.cuda.device_count() if torch.cuda.is_available() else world
     return MachineProfile(

@@ -34,6 +34,23 @@ The sliding rate depends on how far apart anchors lie (a 128-row query tile hold
 overlap less the sparser the anchors): the GPU size, 512 anchors over 128K (one every 256 positions),
 sits mid-way in the benchmarked 64K..1M at 512 anchors.
 
+BDLM decoder layer at a model's own shape (`measure_bdlm_layer`, `BDLMLayerSpec`, rows `BDLM_LAYER_SIZES`):
+layer_tflops times a Qwen3-8B-width layer in pure bf16, the drafters' case. A BDLM trains its own model -
+e.g. Qwen3-1.7B, hidden 2048 - with fp32 master weights under bf16 autocast (fp32 residual stream and
+norms, a bf16 cast of every projection's input) and activation checkpointing. The memory-bound passes
+around the GEMMs scale with the width (h, I), the GEMMs with its square, so at half the width they weigh
+about twice as much, and the fp32 stream adds casts and wider reads. `plan --calibrate --model M` (BDLM
+workloads) therefore also times M's layer as the BDLM runs it:
+
+    bdlm_layer_tflops   transformers' Qwen3DecoderLayer of M's hidden / intermediate / heads / KV heads /
+                        head dim, fp32 weights, fp32 input rows, forward under bf16 autocast (or fp32), under
+                        torch.utils.checkpoint (non-reentrant, as the BDLM's layers) when checkpointing,
+                        backward outside autocast, fp32 weight gradients:
+                            FLOPs = rows x 2 x layer params x (3 + 1 if checkpointing)   (cost.py's count)
+    bdlm_layer_shape    `BDLMLayerSpec.key`: the widths, the precision and checkpointing it ran with; the
+                        cost model charges a BDLM's token-wise work at bdlm_layer_tflops only when the
+                        planned model and options give the same key (else layer_tflops, as before)
+
 Sizes (`WORK_SIZES`): GPU - the hidden/intermediate/heads of Qwen3-8B (the drafters' width), 8192 rows,
 the vocabulary of Qwen3 (151936), the CE chunks of the BDLM and drafter benchmarks (4096, 2048), 128M
 AdamW parameters; CPU - toy sizes in float32 that run in about a second. fp32 matmuls run at the
@@ -44,14 +61,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from .shapes import ModelShape
+
 __all__ = [
     "ADAMW_BYTES_PER_PARAM",
+    "BDLM_LAYER_SIZES",
     "DRAFTER_ATTN_SIZES",
     "WORK_SIZES",
+    "BDLMLayerSpec",
     "drafter_attention_anchors",
+    "measure_bdlm_layer",
     "measure_drafter_attention",
     "measure_work_rates",
     "qwen3_layer",
@@ -75,6 +101,15 @@ DRAFTER_ATTN_SIZES: dict[str, dict] = {
     "cpu": dict(context=512, anchors=16, block=4, window=32, heads=4, kv_heads=2, head_dim=16,
                 dtype=torch.float32, reps=3),
 }  # fmt: skip
+
+
+# Rows of the BDLM layer measurement (the width is the model's): on GPU 32768 rows, the rows a rank runs at
+# the smallest benchmarked SFT point (32K context on 2 GPUs), in sequences of 128 so the sdpa core is < 1%
+# of the FLOPs; on CPU a handful of rows (a real model's width is what is measured, so keep rows small).
+BDLM_LAYER_SIZES: dict[str, dict] = {
+    "cuda": dict(rows=32768, seq=128, reps=8),
+    "cpu": dict(rows=64, seq=16, reps=3),
+}
 
 
 def _sync(device: torch.device) -> None:
@@ -235,3 +270,88 @@ def _drafter_attention_tflops(device: torch.device, z: dict) -> dict[str, float]
 def measure_drafter_attention(device: torch.device) -> dict[str, float]:
     """attn_window_tflops, attn_draft_tflops of this device (module docstring)."""
     return _drafter_attention_tflops(device, DRAFTER_ATTN_SIZES["cuda" if device.type == "cuda" else "cpu"])
+
+
+# -- BDLM decoder layer at the model's own shape and precision -----------------------------------------
+
+
+@dataclass(frozen=True)
+class BDLMLayerSpec:
+    """One decoder layer of a BDLM as the trainer and benchmarks/bdlm_bench.py run it: the model's widths,
+    fp32 weights under bf16 autocast (`autocast`) or plain fp32, and activation checkpointing."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    autocast: bool = True
+    checkpointing: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "intermediate", "heads", "kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"bdlm layer {name} must be >= 1, got {getattr(self, name)}")
+
+    @classmethod
+    def of(cls, shape: ModelShape, *, autocast: bool, checkpointing: bool) -> BDLMLayerSpec:
+        return cls(shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, shape.head_dim,
+                   bool(autocast), bool(checkpointing))  # fmt: skip
+
+    @property
+    def key(self) -> str:
+        """What the profile's `bdlm_layer_shape` says, and what cost.py compares it with."""
+        precision = "fp32 weights + bf16 autocast" if self.autocast else "fp32"
+        checkpointing = "on" if self.checkpointing else "off"
+        return (f"hidden {self.hidden}, intermediate {self.intermediate}, heads {self.heads}/{self.kv_heads} "
+                f"x {self.head_dim}, {precision}, checkpointing {checkpointing}")  # fmt: skip
+
+    @property
+    def passes(self) -> int:
+        """Forward-equivalents of GEMM work per step: forward 1 + backward 2 (+ 1 recomputed forward)."""
+        return 3 + int(self.checkpointing)
+
+
+def _bdlm_layer_tflops(device: torch.device, spec: BDLMLayerSpec, z: dict) -> float:
+    import torch.utils.checkpoint
+
+    dims = dict(hidden=spec.hidden, intermediate=spec.intermediate, heads=spec.heads, kv_heads=spec.kv_heads,
+                head_dim=spec.head_dim, seq=z["seq"], vocab=2, dtype=torch.float32)  # fmt: skip
+    layer, rope = qwen3_layer(device, dims)  # fp32 master weights, as BDLMModel.from_config(dtype=float32)
+    layer.train()
+    # the residual stream between layers is fp32 (fp32 embeddings; autocast leaves adds and norms in fp32)
+    x = torch.randn(z["rows"] // z["seq"], z["seq"], spec.hidden, device=device, dtype=torch.float32)
+    x.requires_grad_(True)
+    cos_sin = rope(x, torch.arange(z["seq"], device=device)[None])  # fp32, computed once per forward
+    grad = torch.randn_like(x)
+    weights = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
+
+    def bdlm_layer_step():
+        layer.zero_grad(set_to_none=True)  # fp32 .grad written afresh, as after optimizer.zero_grad
+        x.grad = None
+        amp = torch.autocast(device.type, dtype=torch.bfloat16) if spec.autocast else nullcontext()
+        with amp:  # forward under autocast, backward outside it (training/step.py)
+            if spec.checkpointing:  # what transformers' activation checkpointing wraps around each layer
+                out = torch.utils.checkpoint.checkpoint(
+                    layer, x, position_embeddings=cos_sin, use_reentrant=False
+                )
+            else:
+                out = layer(x, position_embeddings=cos_sin)
+        out.backward(grad)
+
+    rows = x.shape[0] * x.shape[1]
+    return rows * 2 * weights * spec.passes / timed(bdlm_layer_step, device, z["reps"]) / 1e12
+
+
+def measure_bdlm_layer(device: torch.device, spec: BDLMLayerSpec) -> dict[str, float | str]:
+    """bdlm_layer_tflops of this device for the layer `spec` and bdlm_layer_shape = spec.key (module
+    docstring)."""
+    z = BDLM_LAYER_SIZES["cuda" if device.type == "cuda" else "cpu"]
+    precision = torch.get_float32_matmul_precision()
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # as training sets it (fp32 runs: TF32 tensor cores)
+    try:
+        rate = _bdlm_layer_tflops(device, spec, z)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    return dict(bdlm_layer_tflops=rate, bdlm_layer_shape=spec.key)

@@ -5,8 +5,10 @@ A record of workload W is predicted when W has a model config: its mode and worl
 `anchors` (drafters) the options. The rest of the options is what the repository's benchmark of that
 workload runs (`BENCHMARK_OPTIONS`), overridden by the record's own fields of the same name when present
 (`state_bytes_per_param`, `ce_chunk`, `checkpointing` / `activation_checkpointing`, `precision`
-"bf16-autocast" = fp32 weights under bf16 autocast). A drafter record with `dflash2: false` ran the config
-without DFlash2's convolutions and selector (`ModelShape.without_dflash2`):
+"bf16-autocast" = fp32 weights under bf16 autocast; precision and checkpointing also decide whether the
+profile's `bdlm_layer_tflops`, measured for one layer / precision / checkpointing, applies). A drafter
+record with `dflash2: false` ran the config without DFlash2's convolutions and selector
+(`ModelShape.without_dflash2`):
 
     benchmarks/drafter_bench.py  the drafter in bf16, forward + backward with no optimizer step: weights and
                                  gradients only, 2 + 2 bytes per trainable parameter; DFlashObjective's CE

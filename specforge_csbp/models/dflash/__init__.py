@@ -6,11 +6,13 @@ selector.py       DFlash2 low-rank candidate selector
 modeling.py       DFlashDraftModel / DFlash2DraftModel (attention is a callable per layer type)
 sharding.py       per-rank plans of one step: reference / dp / cp / csbp
 step.py           one step's forward + backward in any mode
+prefetch.py       the next step's plans and attention masks, built while this step runs
 """
 
 from .configuration import DFLASH2_ARCH, DFLASH_ARCH, DFlashConfig, build_target_layer_ids, make_dflash_config
 from .conv import DFlashGroupedConv
 from .modeling import DFlash2DraftModel, DFlashDraftModel, LayerAttention
+from .prefetch import AttentionOptions, PreparedStep, StepPrefetcher
 from .selector import CandidateSelector
 from .sharding import (
     DRAFTER_MODES,
@@ -23,6 +25,7 @@ from .sharding import (
 from .step import DrafterSample, StepResult, drafter_step, prepare_step, sync_gradients
 
 __all__ = [
+    "AttentionOptions",
     "DFLASH2_ARCH",
     "DFLASH_ARCH",
     "DRAFTER_MODES",
@@ -34,6 +37,8 @@ __all__ = [
     "DrafterPlan",
     "DrafterSample",
     "LayerAttention",
+    "PreparedStep",
+    "StepPrefetcher",
     "StepResult",
     "anchor_costs",
     "build_target_layer_ids",

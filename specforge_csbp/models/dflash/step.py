@@ -30,7 +30,8 @@ from ...objectives.dflash import (
     sample_anchors,
 )
 from .modeling import DFlashDraftModel
-from .sharding import DRAFTER_MODES, DrafterPlan, drafter_plans, plan_attention
+from .prefetch import AttentionOptions, PreparedStep
+from .sharding import DRAFTER_MODES, DrafterPlan, drafter_plans
 
 __all__ = ["DrafterSample", "StepResult", "drafter_step", "load_context", "prepare_step", "sync_gradients"]
 
@@ -137,13 +138,14 @@ def drafter_step(
     bucket: int = 1,
     sync_grads: bool = True,
     stats: CommStats = COMM_STATS,
-    prepared: Work | None = None,
+    prepared: Work | PreparedStep | None = None,
     regather: bool = False,
     schedule: str | None = None,
     pack_gqa: bool | None = None,
 ) -> StepResult:
     """Forward + backward of one step; gradients land in model parameters (summed over the group).
-    `prepared`: this step's `prepare_step(...)` result, if computed ahead of time."""
+    `prepared`: this step's `prepare_step(...)` result, or a PreparedStep (prefetch.py: its attention
+    masks built ahead too), if computed ahead of time."""
     if mode not in DRAFTER_MODES:
         raise ValueError(f"mode must be one of {', '.join(DRAFTER_MODES)}; got {mode!r}")
     if not samples:
@@ -153,6 +155,13 @@ def drafter_step(
     device, dtype = model.fc.weight.device, model.fc.weight.dtype
     selector = getattr(model, "candidate_selector", None)
 
+    options = AttentionOptions(group, backend, communicate, stats, regather, schedule, pack_gqa)
+    ahead: list | None = None  # per work item, attention built ahead (masks included)
+    if isinstance(prepared, PreparedStep):
+        if prepared.options != options:
+            raise ValueError(f"prepared: built with {prepared.options}, but this step asks for {options}")
+        prepared.wait()
+        prepared, ahead = prepared.work, (list(prepared.attention) or None)
     if prepared is None:
         prepared = prepare_step(
             model.config, samples, objective=objective, mode=mode, step=step, group=group, bucket=bucket
@@ -172,12 +181,9 @@ def drafter_step(
 
     totals: dict[str, torch.Tensor] = {}
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for sample, plan, blocks in work:
+    for j, (sample, plan, blocks) in enumerate(work):
         feats = load_context(sample, plan.ctx_intervals, device, dtype, model.fc.in_features)
-        attention = plan_attention(
-            plan, group=group, backend=backend, communicate=communicate, stats=stats, regather=regather,
-            schedule=schedule, pack_gqa=pack_gqa,
-        )
+        attention = ahead[j] if ahead is not None else options.build(plan)
         emb = F.embedding(blocks.draft_ids.to(device).reshape(1, -1), embed_weight).to(dtype)
         pos = (blocks.anchors[:, None] + torch.arange(S)).reshape(-1)
         hidden = model(emb, pos, feats, plan.ctx_positions, attention=attention)

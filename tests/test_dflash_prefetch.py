@@ -1,0 +1,141 @@
+"""models/dflash/prefetch.py: a step whose plans and attention masks were built ahead, in the worker thread,
+computes exactly what a step that builds them itself computes, and builds no mask of its own.
+
+Two gloo ranks, float64; CSBP (two sequences, DFlash2, bucketed sliding plans, regather) and CP.
+"""
+
+import json
+import os
+import threading
+
+import pytest
+import torch
+from test_dflash_parallel import Case, build
+
+from specforge_csbp.distributed import spawn
+from specforge_csbp.masks.visibility import Visibility
+from specforge_csbp.models.dflash import AttentionOptions, StepPrefetcher, drafter_step, prepare_step
+from specforge_csbp.models.dflash.sharding import MergedAttention
+
+CASES = [
+    Case("csbp", True, (40, 29), 3, sampling="locality", block_size=3, window=5, bucket=5, seed=3, regather=True),
+    Case("cp", False, (44,), 3, layer_types=("full_attention", "sliding_attention"), seed=4),
+]
+
+
+def _visibilities(attention):
+    for layer in attention.values():
+        sharded = layer.attend.local if isinstance(layer.attend, MergedAttention) else layer.attend
+        yield from sharded.visibilities
+
+
+def _caches(prepared):
+    """Every mask cache of the prepared attention: (visibility id, key) -> id(value)."""
+    out = {}
+    for attention in prepared.attention:
+        for vis in _visibilities(attention):
+            packed = [e.vis for k, e in vis._cache.items() if k[0] == "gqa_packed"]
+            for v in (vis, *packed):
+                out.update({(id(v), repr(k)): id(val) for k, val in v._cache.items()})
+    return out
+
+
+class _MaskWork:
+    """Counts, per thread, Visibility objects made and masks built (cache misses of `dense`)."""
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+        init, dense = Visibility.__init__, Visibility.dense
+
+        def counted_init(vis, *args, **kwargs):
+            self._count()
+            init(vis, *args, **kwargs)
+
+        def counted_dense(vis, device="cpu"):
+            if ("dense", str(device)) not in vis._cache:
+                self._count()
+            return dense(vis, device)
+
+        Visibility.__init__, Visibility.dense = counted_init, counted_dense
+
+    def _count(self):
+        name = threading.current_thread().name
+        self.counts[name] = self.counts.get(name, 0) + 1
+
+
+def _worker(rank, world, out_dir):
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    mask_work = _MaskWork()
+    results = []
+    for case in CASES:
+        model, head, embed, samples, obj = build(case)
+        res = drafter_step(
+            model, samples, objective=obj, mode=case.mode, head_weight=head, embed_weight=embed, step=1,
+            bucket=case.bucket, group=group, regather=case.regather,
+        )  # fmt: skip
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+        model2, head2, embed2, samples2, obj2 = build(case)
+        cfg = model2.config
+        builders = []
+
+        def prepare(i, case=case, cfg=cfg, samples2=samples2, obj2=obj2, builders=builders):
+            builders.append(threading.current_thread().name)
+            return prepare_step(cfg, samples2, objective=obj2, mode=case.mode, step=i, group=group, bucket=case.bucket)
+
+        options = AttentionOptions(group=group, regather=case.regather)
+        groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        with StepPrefetcher(prepare, options, device="cpu", groups=groups) as prefetcher:
+            prepared = prefetcher.take(1)
+            built = _caches(prepared)
+            mask_work.counts.clear()
+            res2 = drafter_step(
+                model2, samples2, objective=obj2, mode=case.mode, head_weight=head2, embed_weight=embed2, step=1,
+                bucket=case.bucket, group=group, regather=case.regather, prepared=prepared,
+            )  # fmt: skip
+            after = _caches(prepared)
+            in_step = mask_work.counts.get(threading.current_thread().name, 0)
+            wrong = None
+            try:
+                drafter_step(
+                    model2, samples2, objective=obj2, mode=case.mode, head_weight=head2, embed_weight=embed2,
+                    step=2, bucket=case.bucket, group=group, regather=not case.regather, prepared=prefetcher.take(2),
+                )  # fmt: skip
+            except ValueError as err:
+                wrong = str(err)
+        results.append({
+            "case": repr(case),
+            "loss_equal": res.loss == res2.loss,
+            "grads_equal": all(torch.equal(grads[n], p.grad) for n, p in model2.named_parameters()),
+            "masks_built_ahead": len(built),
+            "masks_built_in_step": len(set(after) - set(built)),
+            "mask_work_in_step": in_step,
+            "builders": sorted(set(builders)),
+            "wrong_options_error": wrong,
+        })  # fmt: skip
+    if rank == 0:
+        with open(os.path.join(out_dir, "results.json"), "w") as f:
+            json.dump(results, f)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dflash_prefetch")
+    spawn(_worker, 2, str(out))
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.parametrize("index", range(len(CASES)))
+def test_prefetched_step_is_identical_and_builds_nothing(results, index):
+    r = results[index]
+    assert r["loss_equal"] and r["grads_equal"], r["case"]
+    assert r["masks_built_ahead"] > 0 and r["masks_built_in_step"] == 0 and r["mask_work_in_step"] == 0, r
+    assert all(name.startswith("csbp-prefetch") for name in r["builders"]), r["builders"]  # in the worker
+
+
+@pytest.mark.parametrize("index", range(len(CASES)))
+def test_prepared_step_with_other_options_is_refused(results, index):
+    err = results[index]["wrong_options_error"]
+    assert err is not None and err.startswith("prepared: built with") and "regather" in err
