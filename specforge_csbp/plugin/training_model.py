@@ -69,6 +69,7 @@ class CSBPDrafterTrainingModel(nn.Module):
         self.bucket = int(bucket)
         self.schedule, self.regather = schedule, bool(regather)  # ShardedAttention's (None: fused)
         self._store = None
+        self._inflight: list = []  # this micro-step's prepared masks (kept until the next one starts)
         self.last_stats: dict[str, float] = {}
 
     # -- data -----------------------------------------------------------------------------------------
@@ -95,10 +96,12 @@ class CSBPDrafterTrainingModel(nn.Module):
         return torch.cat(out).cpu().tolist()
 
     # -- one sample -------------------------------------------------------------------------------------
-    def _sample(self, index: int, step: int, groups: csbp_groups.CSBPGroups) -> SampleStats:
-        from ..models.dflash.sharding import drafter_plans, plan_attention
-        from ..models.dflash.step import DrafterSample, load_context
-        from ..objectives.dflash import block_targets, loss_terms, sample_anchors
+    def _prepare(self, index: int, step: int, groups: csbp_groups.CSBPGroups) -> list:
+        """Sample `index`'s device-free part (tokens, anchors, this rank's plan, block targets) as the
+        one-item work list StepPrefetcher builds attention for (runs in its worker thread)."""
+        from ..models.dflash.sharding import drafter_plans
+        from ..models.dflash.step import DrafterSample
+        from ..objectives.dflash import block_targets, sample_anchors
 
         draft, config = self.draft_model, self.draft_model.config
         entry = self.store.manifest.samples[index]
@@ -110,17 +113,24 @@ class CSBPDrafterTrainingModel(nn.Module):
         P = groups.cp_size
         mode = "dp" if P == 1 else (self.mode if anchors.numel() >= P else "cp")
         plan = drafter_plans(mode, length, anchors, config, P, bucket=self.bucket)[groups.cp_rank]
-        device, dtype = self.lm_head.weight.device, draft.fc.weight.dtype
         # only this rank's rows, one piece per interval (never concatenated: the widest tensor of the step)
         sample = DrafterSample(
             input_ids, loss_mask, lambda lo, hi: self.store.read_intervals(entry.id, [(lo, hi)])
         )
+        blocks = block_targets(input_ids, loss_mask, plan.owned_anchors, S, int(draft.mask_token_id))
+        return [(sample, plan, blocks)]
+
+    def _sample(self, prepared, step: int) -> SampleStats:
+        from ..models.dflash.step import load_context
+        from ..objectives.dflash import loss_terms
+
+        prepared.wait()
+        (sample, plan, blocks), attention = prepared.work[0], prepared.attention[0]
+        draft = self.draft_model
+        S = int(draft.block_size)
+        device, dtype = self.lm_head.weight.device, draft.fc.weight.dtype
         features = load_context(sample, plan.ctx_intervals, device, dtype, draft.fc.in_features)
-        attention = plan_attention(
-            plan, group=groups.cp_group, backend=self.backend, schedule=self.schedule, regather=self.regather
-        )
         owned = plan.owned_anchors
-        blocks = block_targets(input_ids, loss_mask, owned, S, int(draft.mask_token_id))
         noise = self.embed_tokens(blocks.draft_ids.reshape(-1).to(device)).to(dtype)[None]
         positions = (owned[:, None] + torch.arange(S)).reshape(-1)
         hidden = draft(noise, positions, features, plan.ctx_positions, attention)
@@ -137,16 +147,36 @@ class CSBPDrafterTrainingModel(nn.Module):
 
     # -- one micro-step ---------------------------------------------------------------------------------
     def forward(self, sample_index: torch.Tensor, global_step: int = 0):
+        from ..models.dflash.prefetch import AttentionOptions, StepPrefetcher
+
         groups = csbp_groups.current()
-        indices = self._gather_indices(sample_index, groups)
+        indices = [int(i) for i in self._gather_indices(sample_index, groups)]
+        step = int(global_step)
+        _ = self.store  # opened here, not first in the worker thread
+        # The previous micro-step's masks: its backward has been launched by now, and no build is running,
+        # so they may go (prefetch.py, "Lifetime"). This micro-step's stay until the next one starts.
+        self._inflight = []
+        config = self.draft_model.config
+        options = AttentionOptions(
+            group=groups.cp_group, backend=self.backend, regather=self.regather, schedule=self.schedule
+        )
         numerator, denominator = None, 0.0
         totals = dict.fromkeys(_STAT_KEYS, 0.0)
-        for index in indices:
-            out = self._sample(int(index), int(global_step), groups)
-            numerator = out.numerator if numerator is None else numerator + out.numerator
-            denominator += out.denominator
-            for k, v in out.stats.items():
-                totals[k] = totals.get(k, 0.0) + v
+        # sample j + 1's plan and masks are built in a worker (side stream on GPU) while sample j runs
+        with StepPrefetcher(
+            lambda j: self._prepare(indices[j], step, groups) if j < len(indices) else [],
+            options,
+            device=self.lm_head.weight.device,
+            groups=config.num_attention_heads // config.num_key_value_heads,
+        ) as prefetcher:
+            for j in range(len(indices)):
+                prepared = prefetcher.take(j)
+                self._inflight.append(prepared)
+                out = self._sample(prepared, step)
+                numerator = out.numerator if numerator is None else numerator + out.numerator
+                denominator += out.denominator
+                for k, v in out.stats.items():
+                    totals[k] = totals.get(k, 0.0) + v
         # every trainable parameter takes part in the graph (DDP expects each one to get a gradient)
         params = [p for p in self.draft_model.parameters() if p.requires_grad]
         tie = torch.stack([p.reshape(-1)[0].to(numerator.dtype) for p in params]).sum() * 0.0

@@ -9,9 +9,14 @@ builds step i+1 on a side CUDA stream while step i runs; its syncs wait for the 
     main thread, main stream:  | step i: forward ....... backward ....... metrics (sync) | step i+1 ...
     worker, side stream:         | build i+1: plans, executors, masks | record ready --------^ wait ready
 
-Lifetime: a prepared step's masks were allocated on the side stream and are read on the main one. Keep the
-PreparedStep referenced until the step that used it has synchronised (drafter_step ends with a sync for its
-metrics), so the allocator cannot give that memory to the worker while the main stream still reads it.
+Lifetime: a prepared step's masks are allocated on the side stream and read on the main one, so when they
+are freed the allocator hands their memory back to the side stream at once. Two rules keep a later build
+from overwriting it while main-stream kernels still read it:
+  - every build first makes the side stream wait (on the GPU, not the host) for the main-stream work queued
+    before the build was submitted;
+  - the caller keeps a PreparedStep referenced until every kernel that reads its masks has been launched
+    (its step's backward included), and does not free it while a build submitted earlier is still running.
+drafter_step satisfies both: it ends with a sync for its metrics, and the next take() follows it.
 """
 
 from __future__ import annotations
@@ -94,7 +99,7 @@ class StepPrefetcher:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="csbp-prefetch")
         self._pending: dict[int, Future[PreparedStep]] = {}
 
-    def _build(self, step: int) -> PreparedStep:
+    def _build(self, step: int, after: torch.cuda.Event | None) -> PreparedStep:
         work = self.prepare(step)
         if not self.masks:
             return PreparedStep(work, self.options, [])
@@ -103,6 +108,7 @@ class StepPrefetcher:
             gpu = contextlib.ExitStack()
             gpu.enter_context(torch.cuda.device(self.device))
             gpu.enter_context(torch.cuda.stream(self._side))
+            self._side.wait_event(after)  # memory freed before the submit may be reused here (module doc)
         with gpu:
             attention = [self.options.build(plan) for _, plan, _ in work]
             for layer_attention in attention:
@@ -112,7 +118,8 @@ class StepPrefetcher:
 
     def submit(self, step: int) -> None:
         if step not in self._pending:
-            self._pending[step] = self._pool.submit(self._build, step)
+            after = torch.cuda.current_stream(self.device).record_event() if self._side is not None else None
+            self._pending[step] = self._pool.submit(self._build, step, after)
 
     def take(self, step: int) -> PreparedStep:
         self.submit(step)

@@ -1,0 +1,92 @@
+"""The plugin's training module (`plugin/training_model.py`) builds each gathered sample's plan and masks
+in the prefetch worker, and what it trains equals the single-process reference.
+
+Two gloo ranks, float64, CSBP P = 2, DFlash2: each rank brings one store sample, the CP group trains both.
+sum(numerators) / sum(denominators) and the summed gradients must equal `drafter_step(mode="reference")`
+over the same two samples (relative error <= 1e-10), and the module's own thread must build no mask.
+"""
+
+import json
+import os
+import threading
+
+import pytest
+import torch
+
+from specforge_csbp.data import FeatureStoreWriter, TargetInfo
+from specforge_csbp.distributed import spawn
+from specforge_csbp.models.dflash import DrafterSample, drafter_step
+from test_dflash_parallel import Case, build
+from test_dflash_prefetch import _MaskWork
+
+CASE = Case("csbp", True, (53, 40), 5, block_size=4, window=7, seed=11)
+TOL = 1e-10
+
+
+def _store(root, samples):
+    with FeatureStoreWriter(root, target=TargetInfo(name="tiny"), target_layer_ids=[1, 4], hidden_size=32,
+                            dtype="float64") as w:  # fmt: skip
+        for i, s in enumerate(samples):
+            w.add(str(i), s.input_ids, s.loss_mask.long(), s.features)
+    return root
+
+
+def _worker(rank, world, out_dir):
+    import torch.distributed as dist
+
+    from specforge_csbp.plugin import groups as csbp_groups
+    from specforge_csbp.plugin.training_model import CSBPDrafterTrainingModel
+
+    model, head, embed, samples, obj = build(CASE)
+    root = os.path.join(out_dir, "store")
+    if rank == 0:
+        _store(root, samples)
+    dist.barrier()
+    ref = drafter_step(model, samples, objective=obj, mode="reference", head_weight=head, embed_weight=embed,
+                       step=1)  # fmt: skip
+    ref_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+    draft, *_ = build(CASE)
+    embed_mod = torch.nn.Embedding.from_pretrained(embed.clone(), freeze=True)
+    head_mod = torch.nn.Linear(32, 61, bias=False, dtype=torch.float64)
+    head_mod.weight.data.copy_(head)
+    groups = csbp_groups.init_groups(2)
+    tm = CSBPDrafterTrainingModel(draft, embed_mod, head_mod, store_path=root, objective=obj, mode="csbp",
+                                  max_len=1000, attention_backend="eager")  # fmt: skip
+    mask_work = _MaskWork()
+    numerator, denominator, _ = tm(sample_index=torch.tensor([rank]), global_step=1)
+    in_forward = mask_work.counts.get(threading.current_thread().name, 0)
+    in_worker = sum(n for name, n in mask_work.counts.items() if name.startswith("csbp-prefetch"))
+    den = torch.tensor([float(denominator)], dtype=torch.float64)
+    dist.all_reduce(den)
+    loss = numerator / den
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    errors = {"loss": abs(float(total) - ref.loss) / abs(ref.loss)}
+    for n, p in draft.named_parameters():
+        g = p.grad.detach().clone()
+        dist.all_reduce(g)
+        errors[n] = float((g - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-300))
+    if rank == 0:
+        with open(os.path.join(out_dir, "results.json"), "w") as f:
+            json.dump({"errors": errors, "in_forward": in_forward, "in_worker": in_worker,
+                       "inflight": len(tm._inflight)}, f)  # fmt: skip
+    csbp_groups.destroy()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plugin_prefetch")
+    spawn(_worker, 2, str(out))
+    return json.loads((out / "results.json").read_text())
+
+
+def test_plugin_module_equals_the_reference(results):
+    for name, err in results["errors"].items():
+        assert err <= TOL, f"{name}: max relative error {err:.3e}"
+
+
+def test_plugin_module_builds_masks_in_the_worker_and_keeps_them(results):
+    assert results["in_worker"] > 0 and results["in_forward"] == 0, results
+    assert results["inflight"] == 2  # both samples' masks held until the next micro-step
