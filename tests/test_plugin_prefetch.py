@@ -12,12 +12,12 @@ import threading
 
 import pytest
 import torch
+from test_dflash_parallel import Case, build
+from test_dflash_prefetch import _MaskWork
 
 from specforge_csbp.data import FeatureStoreWriter, TargetInfo
 from specforge_csbp.distributed import spawn
-from specforge_csbp.models.dflash import DrafterSample, drafter_step
-from test_dflash_parallel import Case, build
-from test_dflash_prefetch import _MaskWork
+from specforge_csbp.models.dflash import drafter_step
 
 CASE = Case("csbp", True, (53, 40), 5, block_size=4, window=7, seed=11)
 TOL = 1e-10
@@ -50,7 +50,7 @@ def _worker(rank, world, out_dir):
     embed_mod = torch.nn.Embedding.from_pretrained(embed.clone(), freeze=True)
     head_mod = torch.nn.Linear(32, 61, bias=False, dtype=torch.float64)
     head_mod.weight.data.copy_(head)
-    groups = csbp_groups.init_groups(2)
+    csbp_groups.init_groups(2)
     tm = CSBPDrafterTrainingModel(draft, embed_mod, head_mod, store_path=root, objective=obj, mode="csbp",
                                   max_len=1000, attention_backend="eager")  # fmt: skip
     mask_work = _MaskWork()
