@@ -2,7 +2,7 @@
 
 schedule "fused" (default):
 
-    shared K/V rows ──► all-gather ──► seam(q, [local K/V ++ gathered K/V], own segment hidden)
+    shared K/V rows ──► all-gather ──► seam(q, [local K/V ++ the other ranks' gathered K/V])
 
     one kernel and no merge, the shape PyTorch's own context parallel uses. Measured on 2 H200 (BDLM layer,
     64K, docs/performance.md): 309 useful TFLOP/s per GPU against 243-247 for "overlap"; the all-gather it
@@ -82,8 +82,15 @@ class ShardedAttention:
         rule = dict(clean_within_block=clean_within_block, window=window, noisy_causal=noisy_causal)
         self.local = Visibility(plan.q_tokens, plan.kv_tokens, block_size, **rule)
         self._gather = KVGather(group, stats=stats, communicate=communicate) if plan.communicates else None
-        if plan.communicates and schedule == "fused":  # one call over [local ++ gathered] keys
-            self.fused = Visibility(plan.q_tokens, TokenSet.cat([plan.kv_tokens, plan.remote_kv_tokens]), block_size, **rule)
+        if plan.communicates and schedule == "fused":  # one call over [local ++ the other ranks' segments]
+            # this rank's own segment of the gathered buffer is all PAD (its rows are the local ones): the
+            # kernel never gets it - 1/P fewer key rows to copy, mask and write zero gradients for
+            w = plan.gather_len
+            self._own = slice(plan.rank * w, (plan.rank + 1) * w)
+            others = torch.ones(plan.world_size * w, dtype=torch.bool)
+            others[self._own] = False
+            remote = plan.remote_kv_tokens.select(torch.nonzero(others).flatten())
+            self.fused = Visibility(plan.q_tokens, TokenSet.cat([plan.kv_tokens, remote]), block_size, **rule)
         elif plan.communicates:  # a second call over the gathered keys, merged with the local one
             self.remote = Visibility(plan.q_tokens, plan.remote_kv_tokens, block_size, **rule)
 
@@ -108,8 +115,11 @@ class ShardedAttention:
         handle = self.last_gather = self._gather.start(k, v, self.plan.shared, self.plan.gather_len)
         if self.schedule == "fused":
             k_all, v_all = handle.wait()
-            # the cat copies, so the gathered buffer itself is not saved for backward (the concatenation is)
-            k_cat, v_cat = torch.cat([k, k_all], dim=2), torch.cat([v, v_all], dim=2)
+            # the cat copies, so the gathered buffer itself is not saved for backward (the concatenation is);
+            # the own segment is left out (its gradient, zero, reaches the reduce-scatter through the slices)
+            lo, hi = self._own.start, self._own.stop
+            k_cat = torch.cat([k, k_all[:, :, :lo], k_all[:, :, hi:]], dim=2)
+            v_cat = torch.cat([v, v_all[:, :, :lo], v_all[:, :, hi:]], dim=2)
             return partial_attention(q, k_cat, v_cat, self.fused, scale=scale, **self.seam)
         out, lse = partial_attention(q, k, v, self.local, scale=scale, **self.seam)
         k_all, v_all = handle.wait()

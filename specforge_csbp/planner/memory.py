@@ -77,9 +77,9 @@ def attention_layer_peak_bytes(
         return max(fwd, bwd)
     gathered = 2 * B * Hk * nk_r * D * elem_bytes  # K and V of every rank's shared rows
     if schedule == "fused":
-        nk = nk_l + nk_r
+        nk = nk_l + nk_r - stats.gather_width  # the own (all-PAD) segment is left out of the call
         mask = nq * nk if dense else 0
-        cat = 2 * B * Hk * nk * D * elem_bytes  # [local ++ gathered] K and V, saved for backward
+        cat = 2 * B * Hk * nk * D * elem_bytes  # [local ++ other ranks' segments] K and V, saved for backward
         fwd = mask + gathered + cat + scores(nk) + rep(nk)
         bwd = mask + cat + out + lse + out + scores(nk) + 2 * rep(nk)
         return max(fwd, bwd)
@@ -182,7 +182,7 @@ def drafter_step_memory(
     for w in shape.windows:
         st = per_window[w]
         ctx_kv += st.context_rows * kv_row * 2  # K|V projection output + the concatenated K/V
-        gathered += (st.received_rows + (st.gather_width if st.gather_width else 0)) * kv_row
+        gathered += st.received_rows * kv_row  # the other ranks' rows in the saved concatenation
     selected = sum(per_window[w].context_rows for w in set(shape.windows) if w is not None)
     ctx_kv += selected * shape.hidden * elem_bytes
     biggest = max((st.received_rows + st.gather_width) * kv_row for st in per_window.values())
