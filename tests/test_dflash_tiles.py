@@ -129,7 +129,7 @@ def test_anchors_near_context_own_every_anchor_once_balanced_and_tile_aligned(wo
 def test_csbp_gathers_fewer_window_rows_with_anchors_near_their_context(world):
     """The sliding-window layers' gathered rows (and so the fused call's keys and the traffic) shrink when
     anchors live where their windows are; full-attention layers gather the whole context either way."""
-    import specforge_csbp.models.dflash.sharding as sharding
+    from specforge_csbp.models.dflash import sharding
 
     cfg, L = _window_cfg(window=1024), 131072
     anchors = sample_anchors(torch.ones(L), DFlashObjective(num_anchors=256), block_size=16)

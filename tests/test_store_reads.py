@@ -227,7 +227,7 @@ def test_writer_validates_and_never_clobbers(tmp_path):
     writer.add("a", ids, mask, torch.zeros(4, WIDTH))
     _one_line_error(lambda: writer.add("a", ids, mask, torch.zeros(4, WIDTH)), "already in the store")
     writer.close()
-    make = lambda **kw: FeatureStoreWriter(  # noqa: E731
+    make = lambda **kw: FeatureStoreWriter(
         root, target=TargetInfo(name="t"), target_layer_ids=LAYERS, hidden_size=HIDDEN, dtype="float32", **kw
     )
     _one_line_error(make, "already exists and is not empty .*--overwrite")

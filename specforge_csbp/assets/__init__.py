@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 
-__all__ = ["ASSETS_DIR", "TINY_TARGET_DIR", "TINY_DATASET", "materialize_tiny_target"]
+__all__ = ["ASSETS_DIR", "TINY_DATASET", "TINY_TARGET_DIR", "materialize_tiny_target"]
 
 ASSETS_DIR = os.path.dirname(os.path.abspath(__file__))
 TINY_TARGET_DIR = os.path.join(ASSETS_DIR, "tiny_qwen3")

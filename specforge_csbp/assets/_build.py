@@ -19,7 +19,7 @@ import json
 import os
 import random
 
-__all__ = ["build_dataset", "build_tokenizer", "build_config", "main"]
+__all__ = ["build_config", "build_dataset", "build_tokenizer", "main"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VOCAB_SIZE = 512
@@ -215,8 +215,7 @@ def _texts(samples: list[dict]) -> list[str]:
 def main() -> None:
     samples = build_dataset(random.Random(0))
     with open(os.path.join(HERE, "tiny_chat.jsonl"), "w") as f:
-        for s in samples:
-            f.write(json.dumps(s) + "\n")
+        f.writelines(json.dumps(s) + "\n" for s in samples)
     target = os.path.join(HERE, "tiny_qwen3")
     os.makedirs(target, exist_ok=True)
     tokenizer = build_tokenizer(_texts(samples))

@@ -18,7 +18,7 @@ import os
 
 from tqdm import tqdm
 
-__all__ = ["register", "run", "parse_layer_ids", "layer_ids_from_draft_config"]
+__all__ = ["layer_ids_from_draft_config", "parse_layer_ids", "register", "run"]
 
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 

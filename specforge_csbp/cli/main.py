@@ -10,7 +10,7 @@ import sys
 
 from .. import __version__
 
-__all__ = ["main", "build_parser"]
+__all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -29,7 +29,7 @@ import torch
 
 from .manifest import TargetInfo, config_hash
 
-__all__ = ["TargetFeatures", "load_target", "random_target", "has_weights", "check_target_layer_ids"]
+__all__ = ["TargetFeatures", "check_target_layer_ids", "has_weights", "load_target", "random_target"]
 
 _DTYPES = ("float32", "float64", "bfloat16", "float16")
 

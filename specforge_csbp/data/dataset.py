@@ -26,7 +26,7 @@ import torch
 from ..layout.zigzag import ZigzagShards
 from .store import FeatureStore
 
-__all__ = ["ShardedSample", "ShardedFeatureDataset"]
+__all__ = ["ShardedFeatureDataset", "ShardedSample"]
 
 
 @dataclass

@@ -21,8 +21,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
-    "FORMAT",
     "FEATURE_DTYPES",
+    "FORMAT",
     "MANIFEST_NAME",
     "SampleEntry",
     "StoreManifest",
@@ -77,7 +77,7 @@ class StoreManifest(BaseModel):
         return len(self.target_layer_ids) * self.hidden_size
 
     @model_validator(mode="after")
-    def _check(self) -> "StoreManifest":
+    def _check(self) -> StoreManifest:
         if self.format != FORMAT:
             raise ValueError(f"format must be {FORMAT!r}, got {self.format!r}")
         if self.dtype not in FEATURE_DTYPES:

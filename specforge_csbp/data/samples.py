@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["read_jsonl", "sample_id_of", "tokenize_sample", "has_consecutive_supervised"]
+__all__ = ["has_consecutive_supervised", "read_jsonl", "sample_id_of", "tokenize_sample"]
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from .manifest import FEATURE_DTYPES, StoreManifest, TargetInfo
 from .store import FeatureStoreWriter
 
-__all__ = ["list_specforge_records", "load_specforge_record", "import_specforge_records"]
+__all__ = ["import_specforge_records", "list_specforge_records", "load_specforge_record"]
 
 _SUFFIXES = (".ckpt", ".ckpt.gz")
 

@@ -45,7 +45,7 @@ from .manifest import (
     write_json_atomic,
 )
 
-__all__ = ["FeatureStore", "FeatureStoreWriter", "VERIFY_MODES", "check_out_dir"]
+__all__ = ["VERIFY_MODES", "FeatureStore", "FeatureStoreWriter", "check_out_dir"]
 
 VERIFY_MODES = ("full", "trust")
 _SAMPLES_DIR = "samples"
@@ -171,7 +171,7 @@ class FeatureStoreWriter:
             self._closed = True
         return self.manifest
 
-    def __enter__(self) -> "FeatureStoreWriter":
+    def __enter__(self) -> FeatureStoreWriter:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommStats", "COMM_STATS", "GatherHandle", "KVGather", "all_gather_rows"]
+__all__ = ["COMM_STATS", "CommStats", "GatherHandle", "KVGather", "all_gather_rows"]
 
 
 @dataclass

@@ -10,16 +10,16 @@ from .tokens import CLEAN, NOISY, PAD, TokenSet
 from .zigzag import ZigzagShards
 
 __all__ = [
-    "Assignment",
-    "assign_dual_end",
-    "assign_near_home",
-    "MODES",
-    "ShardPlan",
-    "bdlm_plan",
-    "check_bdlm_shape",
     "CLEAN",
+    "MODES",
     "NOISY",
     "PAD",
+    "Assignment",
+    "ShardPlan",
     "TokenSet",
     "ZigzagShards",
+    "assign_dual_end",
+    "assign_near_home",
+    "bdlm_plan",
+    "check_bdlm_shape",
 ]

@@ -9,7 +9,7 @@ Attention FLOPs: 4 D per pair per head forward (QK^T and PV), 2.5x that backward
 
 from __future__ import annotations
 
-__all__ = ["bdlm_visible_pairs", "attention_flops"]
+__all__ = ["attention_flops", "bdlm_visible_pairs"]
 
 
 def bdlm_visible_pairs(seq_len: int, block_size: int, clean_within_block: str = "causal") -> int:

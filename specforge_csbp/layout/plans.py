@@ -27,7 +27,7 @@ from .assignment import Assignment, assign_dual_end
 from .tokens import CLEAN, NOISY, TokenSet
 from .zigzag import ZigzagShards
 
-__all__ = ["MODES", "ShardPlan", "bdlm_plan", "build_plans", "check_bdlm_shape", "block_assignment"]
+__all__ = ["MODES", "ShardPlan", "bdlm_plan", "block_assignment", "build_plans", "check_bdlm_shape"]
 
 MODES = ("reference", "cp", "bp", "csbp")
 

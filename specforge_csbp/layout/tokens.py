@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PAD", "CLEAN", "NOISY", "TokenSet"]
+__all__ = ["CLEAN", "NOISY", "PAD", "TokenSet"]
 
 PAD, CLEAN, NOISY = 0, 1, 2
 
@@ -42,28 +42,28 @@ class TokenSet:
 
     # -- constructors -------------------------------------------------------------------------
     @staticmethod
-    def bdlm(positions: torch.Tensor, kind: int, block_size: int) -> "TokenSet":
+    def bdlm(positions: torch.Tensor, kind: int, block_size: int) -> TokenSet:
         """BDLM tokens at `positions`, all of one kind; blocks are the aligned S-grid."""
         positions = positions.to(torch.long)
         block = torch.div(positions, block_size, rounding_mode="floor")
         return TokenSet(positions, torch.full_like(positions, kind), block, block * block_size)
 
     @staticmethod
-    def empty() -> "TokenSet":
+    def empty() -> TokenSet:
         z = torch.zeros(0, dtype=torch.long)
         return TokenSet(z, z, z, z)
 
     @staticmethod
-    def cat(sets: list["TokenSet"]) -> "TokenSet":
+    def cat(sets: list[TokenSet]) -> TokenSet:
         if not sets:
             return TokenSet.empty()
         return TokenSet(*(torch.cat([getattr(s, f) for s in sets]) for f in ("pos", "kind", "block", "start")))
 
     # -- transforms -----------------------------------------------------------------------------
-    def select(self, index: torch.Tensor) -> "TokenSet":
+    def select(self, index: torch.Tensor) -> TokenSet:
         return TokenSet(self.pos[index], self.kind[index], self.block[index], self.start[index])
 
-    def padded(self, length: int) -> "TokenSet":
+    def padded(self, length: int) -> TokenSet:
         """Append PAD rows up to `length` (padding of uneven all-gather shards)."""
         extra = length - len(self)
         if extra < 0:
@@ -71,9 +71,9 @@ class TokenSet:
         pad = torch.zeros(extra, dtype=torch.long)
         return TokenSet.cat([self, TokenSet(pad, pad, pad, pad)])
 
-    def masked(self, hide: torch.Tensor) -> "TokenSet":
+    def masked(self, hide: torch.Tensor) -> TokenSet:
         """Copy with rows in boolean `hide` turned into PAD (never visible)."""
         return TokenSet(self.pos, torch.where(hide, PAD, self.kind), self.block, self.start)
 
-    def to(self, device: torch.device | str) -> "TokenSet":
+    def to(self, device: torch.device | str) -> TokenSet:
         return TokenSet(*(getattr(self, f).to(device) for f in ("pos", "kind", "block", "start")))

@@ -31,9 +31,9 @@ __all__ = [
     "NOISE_SCHEDULES",
     "BDLMBatch",
     "block_noise_levels",
-    "draw_token_masks",
     "check_noise_args",
     "check_tokens",
+    "draw_token_masks",
     "sequence_seed",
 ]
 

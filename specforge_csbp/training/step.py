@@ -25,7 +25,13 @@ from .validate import first_nonfinite
 from .workload import Workload
 
 __all__ = [
-    "NonFiniteError", "first_offender", "StepOutOfMemory", "StepResult", "global_denominator", "reduce_gradients", "train_step",
+    "NonFiniteError",
+    "StepOutOfMemory",
+    "StepResult",
+    "first_offender",
+    "global_denominator",
+    "reduce_gradients",
+    "train_step",
 ]  # fmt: skip
 
 _BUCKET_BYTES = 256 << 20

@@ -25,10 +25,10 @@ from .sharding import (
 from .step import DrafterSample, StepResult, drafter_step, prepare_step, sync_gradients
 
 __all__ = [
-    "AttentionOptions",
     "DFLASH2_ARCH",
     "DFLASH_ARCH",
     "DRAFTER_MODES",
+    "AttentionOptions",
     "CandidateSelector",
     "DFlash2DraftModel",
     "DFlashConfig",
