@@ -15,8 +15,11 @@ from overwriting it while main-stream kernels still read it:
   - every build first makes the side stream wait (on the GPU, not the host) for the main-stream work queued
     before the build was submitted;
   - the caller keeps a PreparedStep referenced until every kernel that reads its masks has been launched
-    (its step's backward included), and does not free it while a build submitted earlier is still running.
-drafter_step satisfies both: it ends with a sync for its metrics, and the next take() follows it.
+    (its step's backward included); freeing it while a build submitted before those launches still runs
+    needs a sync first (those kernels done).
+A loop over drafter_step keeps both: the step ends with a sync for its metrics before its PreparedStep goes.
+The plugin (plugin/training_model.py) frees a micro-step's PreparedSteps when the next micro-step starts,
+after its backward was launched and with no build running.
 """
 
 from __future__ import annotations
