@@ -28,7 +28,7 @@ case "${1:-1}" in
   # Session 4: every mode of a launch now starts from a fresh compile state (bench/isolation.py), CP runs
   # first, and the next step's masks are built ahead on a side stream (models/dflash/prefetch.py). The first
   # stage also tells whether that path works here: if it recorded nothing, the rest run without it.
-  stage 100 torchrun --nproc-per-node 2 $B --shape a --modes dp,csbp --contexts 128K --anchors 512 --out "$R"
+  stage 130 torchrun --nproc-per-node 2 $B --shape a --modes dp,cp,csbp --contexts 128K --anchors 512 --out "$R"
   PF=""; grep -q '"status":"ok"' "$R" 2>/dev/null || PF=--no-prefetch-masks
   stage 120 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 512K --anchors 512 $PF --out "$R"
   stage 100 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 128K --anchors 2048 $PF --out "$R"
