@@ -119,6 +119,9 @@ def parse_args(argv=None):
                    help="csbp: one fused attention call after the gather (default; overlap with --regather), "
                    "or overlap the gather with attention over the local keys")
     p.add_argument("--peak-tflops", type=float, default=781.0, help="bf16 GEMM peak per GPU for MFU")
+    p.add_argument("--keep-logits-gib", type=float, default=0.0,
+                   help="vocabulary loss: keep the chunks' logits for backward up to this size instead of "
+                   "recomputing them (0: recompute; objectives/linear_ce_topk.py)")
     p.add_argument("--prefetch-masks", action=argparse.BooleanOptionalAction, default=True,
                    help="build the next step's attention masks in a worker thread on a side stream (prefetch.py)")
     p.add_argument("--pack-gqa", choices=["auto", "on", "off"], default="auto",
@@ -413,7 +416,8 @@ def components(model, plan, sample, head, embed, objective, env, fresh_plans=())
 def make_samples(mode, L, N, config, width, env, seed, dtype=None):
     """The step's objective and this rank's sequences (features generated only for its own intervals)."""
     P = env.world
-    objective = DFlashObjective(num_anchors=N, seed=seed, chunk_size=2048)
+    keep = getattr(env.args, "keep_logits_gib", 0.0)
+    objective = DFlashObjective(num_anchors=N, seed=seed, chunk_size=2048, keep_logits_gib=keep)
     samples = []
     for i, (ids, mask) in enumerate(sequence(L, config, seed + i) for i in range(P if mode == "dp" else 1)):
         if mode == "dp" and i % P != env.rank:
@@ -638,6 +642,7 @@ def run_points(args, env, points):
                     "context_len": L, "block_size": config.draft_block_size, "anchors": N, "dflash2": config.is_dflash2,
                     "regather": args.regather, "schedule": args.schedule, "pack_gqa": args.pack_gqa,
                     **({} if mode == "specforge" else {"prefetch_masks": args.prefetch_masks}), "fresh_compile": True, "start_allocated_gib": held,
+                    **({"keep_logits_gib": args.keep_logits_gib} if args.keep_logits_gib else {}),
                     **({"check_rel_err": checked[mode]} if mode in checked else {}),
                     "device": env.name, "date": datetime.date.today().isoformat(), "command": command_line(env)}  # fmt: skip
         try:

@@ -115,6 +115,45 @@ def test_linear_ce_topk_equals_dense_autograd(chunk):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_linear_ce_topk_kept_logits_give_the_same_result_with_one_gemm_fewer(dtype):
+    """keep_logits_bytes: the chunks' logits kept for backward instead of recomputed - bit-identical outputs
+    and gradients, and backward runs only the dH GEMM per chunk (counted at the aten level)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMM(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.mm = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.mm += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(5)
+    h0 = torch.randn(10, 6, generator=g, dtype=torch.float64).to(dtype)
+    w = torch.randn(17, 6, generator=g, dtype=torch.float64).to(dtype)  # frozen head: no dW GEMM
+    y = torch.randint(0, 17, (10,), generator=g)
+    gn, gt = torch.randn(10, generator=g), torch.randn(10, 3, generator=g)
+    results = {}
+    for keep in (0, 10 * 17 * h0.element_size(), 10 * 17 * h0.element_size() - 1):  # recompute, keep, 1 B short
+        h = h0.clone().requires_grad_()
+        nll, top_v, top_i = linear_ce_topk(h, w, y, top_k=3, chunk_size=4, keep_logits_bytes=keep)
+        loss = (nll * gn.to(nll.dtype)).sum() + (top_v * gt.to(top_v.dtype)).sum()
+        with CountMM() as count:
+            loss.backward()
+        results[keep] = (nll, top_v, top_i, h.grad, count.mm)
+    recompute, kept, short = results.values()
+    for a, b in zip(recompute[:4], kept[:4]):
+        assert torch.equal(a, b)
+    assert recompute[4] == 2 * 3 and kept[4] == 3  # 3 chunks: logits + dH each, or dH only
+    assert short[4] == recompute[4]  # does not fit: recomputed
+    with pytest.raises(ValueError, match="keep_logits_bytes must be >= 0"):
+        linear_ce_topk(h0, w, y, top_k=3, keep_logits_bytes=-1)
+    with pytest.raises(ValueError, match="keep_logits_gib must be >= 0"):
+        DFlashObjective(keep_logits_gib=-0.5)
+
+
 # -- objective -----------------------------------------------------------------------------------------
 def test_valid_anchors_targets_and_weights_of_the_docstring_example():
     mask = torch.tensor([0, 0, 1, 1, 1, 1, 1, 1, 0.0])

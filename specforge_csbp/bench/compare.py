@@ -39,7 +39,8 @@ BASE_FIELDS = tuple(BenchRecord.model_fields)
 # Extra fields that describe the problem (not a measurement): records differing in them are not compared.
 CONFIG_EXTRAS = (
     "model", "batch", "anchors", "heads", "kv_heads", "head_dim", "layers", "hidden", "dtype",
-    "clean_within_block", "vocab", "backend", "schedule", "regather", "pack_gqa",
+    "clean_within_block", "vocab", "backend", "schedule", "regather", "pack_gqa", "prefetch_masks",
+    "keep_logits_gib",
 )  # fmt: skip
 MODE_ORDER = ("reference", "dp", "cp", "torch-cp", "bp", "specforge", "csbp")
 

@@ -68,6 +68,7 @@ class DFlashObjective:
     selector_warmup_steps: int = 0
     selector_stop_gradient: bool = False
     chunk_size: int = 2048  # rows per vocabulary chunk
+    keep_logits_gib: float = 0.0  # keep the chunks' logits for backward up to this size (linear_ce_topk.py)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -86,6 +87,8 @@ class DFlashObjective:
                 f"selector_alpha and selector_warmup_steps must be >= 0; got "
                 f"{self.selector_alpha}, {self.selector_warmup_steps}"
             )
+        if not self.keep_logits_gib >= 0:
+            raise ValueError(f"keep_logits_gib must be >= 0; got {self.keep_logits_gib}")
         if self.chunk_size < 1 or (self.locality_stride is not None and self.locality_stride < 1):
             raise ValueError(
                 f"chunk_size and locality_stride must be >= 1; got {self.chunk_size}, {self.locality_stride}"
@@ -234,7 +237,10 @@ def loss_terms(
     y = blocks.targets.reshape(-1).to(hidden.device).index_select(0, rows)
     alpha = objective.selector_weight(step) if selector is not None else 0.0
     top_k = selector.top_k if alpha > 0 else 1
-    nll, top_v, top_i = linear_ce_topk(h, head_weight, y, top_k=top_k, chunk_size=objective.chunk_size)
+    nll, top_v, top_i = linear_ce_topk(
+        h, head_weight, y, top_k=top_k, chunk_size=objective.chunk_size,
+        keep_logits_bytes=int(objective.keep_logits_gib * 2**30),
+    )  # fmt: skip
     decay = position_weights(s, objective.gamma, dtype=nll.dtype, device=nll.device)
     if objective.loss_type == "dflash":
         w = decay.repeat(n).index_select(0, rows)
