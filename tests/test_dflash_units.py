@@ -144,7 +144,7 @@ def test_linear_ce_topk_kept_logits_give_the_same_result_with_one_gemm_fewer(dty
             loss.backward()
         results[keep] = (nll, top_v, top_i, h.grad, count.mm)
     recompute, kept, short = results.values()
-    for a, b in zip(recompute[:4], kept[:4]):
+    for a, b in zip(recompute[:4], kept[:4], strict=True):
         assert torch.equal(a, b)
     assert recompute[4] == 2 * 3 and kept[4] == 3  # 3 chunks: logits + dH each, or dH only
     assert short[4] == recompute[4]  # does not fit: recomputed
