@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from specforge_csbp.bench.compare import speedups
-from specforge_csbp.bench.records import load_records
+from specforge_csbp.bench.records import BenchRecord, load_records
 from specforge_csbp.bench.report import write_report
 from specforge_csbp.cli.main import main
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _rec(workload, mode, ctx, tps, *, status="ok", date="2025-11-30", device="H200", ws=2, bs=16, **extra):
     r = dict(workload=workload, mode=mode, world_size=ws, context_len=ctx, block_size=bs, status=status,
-             device=device, date=date, command=f"bench --mode {mode} --context {ctx} --date {date}")  # fmt: skip
+             device=device, date=date, command=f"bench --context {ctx} --date {date}")  # fmt: skip
     if status == "ok":
         r.update(step_ms=1000.0 * ctx / tps, tokens_per_s=tps, peak_mem_gib=ctx / 2**16 * 1.5)
     r.update(extra)
@@ -142,3 +142,19 @@ def test_speedup_table_says_whether_every_mode_compiled_fresh(tmp_path):
     rows = {line.split("|")[1].strip(): line.rstrip(" |").rsplit("|", 1)[-1].strip()
             for line in table.splitlines() if line[:3] in ("| 6", "| 1", "| 2")}  # fmt: skip
     assert rows == {"65536": "yes", "131072": "no", "262144": "yes"}, table
+
+
+def test_records_pair_only_within_their_launch_and_sweep_points_within_their_sweep():
+    """Two launches of one day never mix (command line when no `launch` is recorded); sweep points, each in
+    its own process with its own launch, pair with each other."""
+    recs = [
+        _rec("drafter", "csbp", 1 << 16, 500.0, command="bench A"),
+        _rec("drafter", "specforge", 1 << 16, 400.0, command="bench A"),
+        _rec("drafter", "csbp", 1 << 16, 800.0, command="bench B"),  # faster CSBP, other launch
+        _rec("drafter", "specforge", 1 << 16, 100.0, command="bench C"),  # slower SpecForge, third launch
+        _rec("sft", "cp", 1 << 16, 100.0, launch="torchrun cp", point="sft/cp"),
+        _rec("sft", "csbp", 1 << 16, 110.0, launch="torchrun csbp", point="sft/csbp"),
+    ]
+    got = sorted((s.csbp.workload, s.other_mode, round(s.value, 6)) for s in speedups(
+        [BenchRecord(**r) for r in recs]))  # fmt: skip
+    assert got == [("drafter", "specforge", 1.25), ("sft", "cp", 1.1)]

@@ -1,7 +1,8 @@
 """Side-by-side comparisons computed from records: which records were measured together, and CSBP's speedup.
 
 Two records are "side by side" when they agree on every field of `match_key` (workload, context, world
-size, block size, date, device, the `launch` a benchmark script records, and the configuration extras in
+size, block size, date, device, the launch - the `launch` a benchmark script records, else its command line;
+one sweep for sweep points - and the configuration extras in
 `CONFIG_EXTRAS` that they carry), i.e. they were measured in one run on one machine for one problem and
 differ only in the parallel mode:
 
@@ -39,8 +40,7 @@ BASE_FIELDS = tuple(BenchRecord.model_fields)
 # Extra fields that describe the problem (not a measurement): records differing in them are not compared.
 CONFIG_EXTRAS = (
     "model", "batch", "anchors", "heads", "kv_heads", "head_dim", "layers", "hidden", "dtype",
-    "clean_within_block", "vocab", "backend", "schedule", "regather", "pack_gqa", "prefetch_masks",
-    "keep_logits_gib",
+    "clean_within_block", "vocab", "backend", "schedule", "regather", "pack_gqa",
 )  # fmt: skip
 MODE_ORDER = ("reference", "dp", "cp", "torch-cp", "bp", "specforge", "csbp")
 
@@ -69,8 +69,10 @@ def match_key(r: BenchRecord) -> tuple:
     """Everything that must agree for two records to be compared (all but the mode and measurements)."""
     extra = r.model_extra or {}
     config = tuple((name, _hashable(extra[name])) for name in CONFIG_EXTRAS if name in extra)
-    # A record naming its launch (one torchrun of a benchmark script) pairs only within that launch.
-    launch = extra.get("launch")
+    # Records pair only within one launch (one run of a benchmark script): the `launch` it records, else its
+    # command line. Sweep points (`point`) ran in processes of their own by design and pair within their
+    # sweep - same date and device (runner.py) - whatever each point's own launch says.
+    launch = "sweep" if "point" in extra else extra.get("launch", r.command)
     return (r.workload, r.context_len, r.world_size, r.block_size, r.date, r.device, launch, config)
 
 
