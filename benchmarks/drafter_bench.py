@@ -484,7 +484,8 @@ def run_ours(mode, L, N, config, model, head, embed, env, args) -> dict:
 
     def prepared_step(i, communicate):
         if communicate not in prefetchers:
-            options = AttentionOptions(None, env.backend, communicate, stats, args.regather, args.schedule, args.pack)
+            options = AttentionOptions(backend=env.backend, communicate=communicate, stats=stats,
+                                       regather=args.regather, schedule=args.schedule, pack_gqa=args.pack)  # fmt: skip
             prefetchers[communicate] = StepPrefetcher(
                 prepare, options, device=env.device, groups=groups, masks=args.prefetch_masks
             )

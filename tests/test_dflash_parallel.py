@@ -6,14 +6,12 @@ whole case matrix on sub-groups of 2, 3 and 4 ranks (process start-up dominates 
 rank of each group compares with the reference it computes itself.
 """
 
-import json
-import os
 from dataclasses import dataclass
 
 import pytest
 import torch
+from spawned import save_results, spawn_results
 
-from specforge_csbp.distributed import spawn
 from specforge_csbp.distributed.collectives import CommStats
 from specforge_csbp.models.dflash import (
     DFlash2DraftModel,
@@ -123,15 +121,12 @@ def _worker(rank, world, out_dir):
                     "bytes": dict(stats.bytes_sent), "metrics": res.metrics, "ref_metrics": ref.metrics,
                 })  # fmt: skip
     if rank == 0:
-        with open(os.path.join(out_dir, "results.json"), "w") as f:
-            json.dump(results, f)
+        save_results(out_dir, results)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dflash_parallel")
-    spawn(_worker, 4, str(out))
-    return json.loads((out / "results.json").read_text())
+    return spawn_results(_worker, 4, tmp_path_factory.mktemp("dflash_parallel"))
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -4,15 +4,13 @@ computes exactly what a step that builds them itself computes, and builds no mas
 Two gloo ranks, float64; CSBP (two sequences, DFlash2, bucketed sliding plans, regather) and CP.
 """
 
-import json
-import os
 import threading
 
 import pytest
 import torch
+from spawned import save_results, spawn_results
 from test_dflash_parallel import Case, build
 
-from specforge_csbp.distributed import spawn
 from specforge_csbp.masks.visibility import Visibility
 from specforge_csbp.models.dflash import AttentionOptions, StepPrefetcher, drafter_step, prepare_step
 from specforge_csbp.models.dflash.sharding import MergedAttention
@@ -116,15 +114,12 @@ def _worker(rank, world, out_dir):
             "wrong_options_error": wrong,
         })  # fmt: skip
     if rank == 0:
-        with open(os.path.join(out_dir, "results.json"), "w") as f:
-            json.dump(results, f)
+        save_results(out_dir, results)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dflash_prefetch")
-    spawn(_worker, 2, str(out))
-    return json.loads((out / "results.json").read_text())
+    return spawn_results(_worker, 2, tmp_path_factory.mktemp("dflash_prefetch"))
 
 
 @pytest.mark.parametrize("index", range(len(CASES)))

@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+from spawned import save_results, spawn_results
 
 from specforge_csbp.distributed import spawn
 from specforge_csbp.layout.zigzag import ZigzagShards
@@ -43,14 +44,12 @@ def _worker(rank, world, out_dir):
         if rank == 0:
             results.append({"case": repr(case), "errors": r.errors, "bytes": r.bytes_sent})
     if rank == 0:
-        with open(os.path.join(out_dir, "results.json"), "w") as f:
-            json.dump(results, f)
+        save_results(out_dir, results)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_every_mode_equals_the_reference(world, tmp_path):
-    spawn(_worker, world, str(tmp_path))
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = spawn_results(_worker, world, tmp_path)
     assert len(results) == len(list(_cases(world)))
     for res in results:
         for name, err in res["errors"].items():

@@ -6,17 +6,16 @@ sum(numerators) / sum(denominators) and the summed gradients must equal `drafter
 over the same two samples (relative error <= 1e-10), and the module's own thread must build no mask.
 """
 
-import json
 import os
 import threading
 
 import pytest
 import torch
+from spawned import save_results, spawn_results
 from test_dflash_parallel import Case, build
 from test_dflash_prefetch import _MaskWork
 
 from specforge_csbp.data import FeatureStoreWriter, TargetInfo
-from specforge_csbp.distributed import spawn
 from specforge_csbp.models.dflash import drafter_step
 
 CASE = Case("csbp", True, (53, 40), 5, block_size=4, window=7, seed=11)
@@ -69,17 +68,14 @@ def _worker(rank, world, out_dir):
         dist.all_reduce(g)
         errors[n] = float((g - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-300))
     if rank == 0:
-        with open(os.path.join(out_dir, "results.json"), "w") as f:
-            json.dump({"errors": errors, "in_forward": in_forward, "in_worker": in_worker,
-                       "inflight": len(tm._inflight)}, f)  # fmt: skip
+        save_results(out_dir, {"errors": errors, "in_forward": in_forward, "in_worker": in_worker,
+                               "inflight": len(tm._inflight)})  # fmt: skip
     csbp_groups.destroy()
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("plugin_prefetch")
-    spawn(_worker, 2, str(out))
-    return json.loads((out / "results.json").read_text())
+    return spawn_results(_worker, 2, tmp_path_factory.mktemp("plugin_prefetch"))
 
 
 def test_plugin_module_equals_the_reference(results):

@@ -6,15 +6,13 @@ dominates), tiny shapes; marked slow (CI runs them too).
 
 from __future__ import annotations
 
-import json
-import os
 import types
 
 import pytest
 import torch
 import torch.distributed as dist
+from spawned import save_results, spawn_results
 
-from specforge_csbp.distributed import spawn
 from specforge_csbp.parallel.check import CheckCase, run_check
 
 P = 8
@@ -159,15 +157,12 @@ def _drafter_all(rank: int) -> list[dict]:
 def _worker(rank, world, out):
     results = {"attention": _attention(rank), "bdlm": _bdlm_all(rank), "drafter": _drafter_all(rank)}
     if rank == 0:
-        with open(os.path.join(out, "results.json"), "w") as f:
-            json.dump(results, f)
+        save_results(out, results)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("scale8")
-    spawn(_worker, P, str(out), timeout_s=300)
-    return json.loads((out / "results.json").read_text())
+    return spawn_results(_worker, P, tmp_path_factory.mktemp("scale8"), timeout_s=300)
 
 
 @pytest.mark.slow

@@ -56,6 +56,18 @@ class ShardPlan:
     def communicates(self) -> bool:
         return self.world_size > 1 and self.gather_len > 0
 
+    @property
+    def own_segment(self) -> slice:
+        """This rank's segment of the gathered buffer: all PAD in `remote_kv_tokens` (its rows are local)."""
+        return slice(self.rank * self.gather_len, (self.rank + 1) * self.gather_len)
+
+    @property
+    def other_kv_tokens(self) -> TokenSet:
+        """`remote_kv_tokens` without the own segment: the gathered keys a single fused call needs."""
+        own = self.own_segment
+        keep = torch.cat([torch.arange(own.start), torch.arange(own.stop, len(self.remote_kv_tokens))])
+        return self.remote_kv_tokens.select(keep)
+
 
 def build_plans(
     q_rows: list[torch.Tensor],

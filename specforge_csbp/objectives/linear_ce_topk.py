@@ -29,7 +29,7 @@ class _LinearCETopK(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, top_k, chunk_size, keep_logits_bytes):
         n = hidden.shape[0]
-        keep = n * weight.shape[0] * torch.empty((), dtype=hidden.dtype).element_size() <= keep_logits_bytes
+        keep = n * weight.shape[0] * hidden.element_size() <= keep_logits_bytes  # the GEMM output's bytes
         kept: list[torch.Tensor] = []
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         nll = hidden.new_empty(n, dtype=acc)

@@ -83,14 +83,11 @@ class ShardedAttention:
         self.local = Visibility(plan.q_tokens, plan.kv_tokens, block_size, **rule)
         self._gather = KVGather(group, stats=stats, communicate=communicate) if plan.communicates else None
         if plan.communicates and schedule == "fused":  # one call over [local ++ the other ranks' segments]
-            # this rank's own segment of the gathered buffer is all PAD (its rows are the local ones): the
-            # kernel never gets it - 1/P fewer key rows to copy, mask and write zero gradients for
-            w = plan.gather_len
-            self._own = slice(plan.rank * w, (plan.rank + 1) * w)
-            others = torch.ones(plan.world_size * w, dtype=torch.bool)
-            others[self._own] = False
-            remote = plan.remote_kv_tokens.select(torch.nonzero(others).flatten())
-            self.fused = Visibility(plan.q_tokens, TokenSet.cat([plan.kv_tokens, remote]), block_size, **rule)
+            # the own segment of the gathered buffer is all PAD, so the kernel never gets it: 1/P fewer key
+            # rows to copy, mask and write zero gradients for
+            self.fused = Visibility(
+                plan.q_tokens, TokenSet.cat([plan.kv_tokens, plan.other_kv_tokens]), block_size, **rule
+            )
         elif plan.communicates:  # a second call over the gathered keys, merged with the local one
             self.remote = Visibility(plan.q_tokens, plan.remote_kv_tokens, block_size, **rule)
 
@@ -117,7 +114,7 @@ class ShardedAttention:
             k_all, v_all = handle.wait()
             # the cat copies, so the gathered buffer itself is not saved for backward (the concatenation is);
             # the own segment is left out (its gradient, zero, reaches the reduce-scatter through the slices)
-            lo, hi = self._own.start, self._own.stop
+            lo, hi = self.plan.own_segment.start, self.plan.own_segment.stop
             k_cat = torch.cat([k, k_all[:, :, :lo], k_all[:, :, hi:]], dim=2)
             v_cat = torch.cat([v, v_all[:, :, :lo], v_all[:, :, hi:]], dim=2)
             return partial_attention(q, k_cat, v_cat, self.fused, scale=scale, **self.seam)

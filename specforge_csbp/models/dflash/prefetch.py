@@ -106,13 +106,11 @@ class StepPrefetcher:
         work = self.prepare(step)
         if not self.masks:
             return PreparedStep(work, self.options, [])
-        gpu = contextlib.nullcontext()
-        if self._side is not None:  # the current device and stream are per thread: set both here
-            gpu = contextlib.ExitStack()
-            gpu.enter_context(torch.cuda.device(self.device))
-            gpu.enter_context(torch.cuda.stream(self._side))
-            self._side.wait_event(after)  # memory freed before the submit may be reused here (module doc)
-        with gpu:
+        with contextlib.ExitStack() as gpu:
+            if self._side is not None:  # the current device and stream are per thread: set both here
+                gpu.enter_context(torch.cuda.device(self.device))
+                gpu.enter_context(torch.cuda.stream(self._side))
+                self._side.wait_event(after)  # memory freed before the submit may be reused (module doc)
             attention = [self.options.build(plan) for _, plan, _ in work]
             for layer_attention in attention:
                 prepare_plan_attention(layer_attention, self.device, self.groups)

@@ -155,7 +155,10 @@ def drafter_step(
     device, dtype = model.fc.weight.device, model.fc.weight.dtype
     selector = getattr(model, "candidate_selector", None)
 
-    options = AttentionOptions(group, backend, communicate, stats, regather, schedule, pack_gqa)
+    options = AttentionOptions(
+        group=group, backend=backend, communicate=communicate, stats=stats, regather=regather,
+        schedule=schedule, pack_gqa=pack_gqa,
+    )  # fmt: skip
     ahead: list | None = None  # per work item, attention built ahead (masks included)
     if isinstance(prepared, PreparedStep):
         if prepared.options != options:
