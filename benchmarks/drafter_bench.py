@@ -288,15 +288,25 @@ def _time(fn, env, warmup, iters):
 
 
 def profile_once(step, env, title: str) -> None:
+    """One profiled step: the top ops by own device time, then the copy-like ops split by input shape
+    (which concatenations, index copies and casts a step pays for)."""
     from torch.profiler import ProfilerActivity, profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
+    cuda = env.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts, record_shapes=True) as prof:
         step()
         env.sync()
-    key = "cuda_time_total" if env.device.type == "cuda" else "cpu_time_total"
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    copies = [e for e in prof.key_averages(group_by_input_shape=True)
+              if e.key in ("aten::cat", "aten::copy_", "aten::index_select", "aten::index_add_", "aten::index_put_",
+                           "aten::stack", "aten::contiguous", "aten::clone", "aten::zeros", "aten::fill_")]  # fmt: skip
+    copies.sort(key=lambda e: -(e.self_device_time_total if cuda else e.self_cpu_time_total))
+    rows = [f"{e.key:22s} {e.count:5d} calls {(e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3:9.2f} ms"
+            f"  shapes {str(e.input_shapes)[:150]}" for e in copies[:20]]  # fmt: skip
     print(
-        f"--- profile of one step: {title}\n" + prof.key_averages().table(sort_by=key, row_limit=30),
+        f"--- profile of one step: {title}\n" + prof.key_averages().table(sort_by=key, row_limit=40)
+        + "\n--- copy-like ops by input shape (own device time)\n" + "\n".join(rows),
         flush=True,
     )
 
@@ -643,7 +653,7 @@ def run_points(args, env, points):
                     "context_len": L, "block_size": config.draft_block_size, "anchors": N, "dflash2": config.is_dflash2,
                     "regather": args.regather, "schedule": args.schedule, "pack_gqa": args.pack_gqa,
                     **({} if mode == "specforge" else {"prefetch_masks": args.prefetch_masks}), "fresh_compile": True, "start_allocated_gib": held,
-                    **({"keep_logits_gib": args.keep_logits_gib} if args.keep_logits_gib else {}),
+                    **({"keep_logits_gib": args.keep_logits_gib} if args.keep_logits_gib and mode != "specforge" else {}),
                     **({"check_rel_err": checked[mode]} if mode in checked else {}),
                     "device": env.name, "date": datetime.date.today().isoformat(), "command": command_line(env)}  # fmt: skip
         try:

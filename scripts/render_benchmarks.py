@@ -23,7 +23,7 @@ PREDICT = [
     "drafter-qwen3-8b=benchmarks/configs/drafter-qwen3-8b.json",
     "sft=benchmarks/configs/qwen3-1.7b.json",
     "--profile",
-    "h200x2-2026-11-30",
+    "h200x2-2026-11-30-b",
 ]
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The BDLM decoder-layer rate at a model's own shape and precision (planner/rates.py `measure_bdlm_layer`,
 profile.py `bdlm_layer_tflops` / `bdlm_layer_shape`, cost.py, `plan --calibrate --model`): what calibration
 counts and runs, that the cost model charges a BDLM's token-wise work at it only for the layer it measured,
-and that profiles without it (every built-in one) predict exactly as before."""
+and that profiles without it (those measured before it existed) predict exactly as before."""
 
 from __future__ import annotations
 
@@ -130,16 +130,20 @@ def test_rate_is_charged_only_for_the_layer_it_measured():
     assert PROFILE.bdlm_layer_rate("x") == PROFILE.gemm_tflops  # no layer_tflops either: the GEMM rate
 
 
+def _raw_profile(name: str) -> dict:
+    return json.loads(resources.files("specforge_csbp.planner").joinpath(f"profiles/{name}.json").read_text())
+
+
 def test_profiles_without_the_rate_predict_as_before():
-    """No built-in profile has the fields; each predicts exactly what it predicts with the rate measured for
-    this very layer at its own token rate (the model those profiles always had), BDLM and drafter alike."""
+    """The built-in profiles measured before the field existed have neither field; each predicts exactly what
+    it predicts with the rate measured for this very layer at its own token rate (the model those profiles
+    always had), BDLM and drafter alike."""
     lm, drafter = load_shape(LM), load_shape(DRAFTER)
-    for name in BUILTIN_PROFILES:
-        raw = json.loads(
-            resources.files("specforge_csbp.planner").joinpath(f"profiles/{name}.json").read_text()
-        )
+    without = [name for name in BUILTIN_PROFILES if not set(FIELDS) & set(_raw_profile(name))]
+    assert {"h200-nominal", "h200x2-2026-11-29", "h200x2-2026-11-30"} <= set(without)
+    for name in without:
         prof = load_profile(name)
-        assert not set(FIELDS) & set(raw) and all(getattr(prof, f) is None for f in FIELDS)
+        assert all(getattr(prof, f) is None for f in FIELDS)
         assert "BDLM layer" not in prof.summary()
         same = _with_layer(prof, lm, prof.token_tflops)
         assert "BDLM layer" in same.summary() and same.bdlm_layer_shape in same.summary()
@@ -152,6 +156,15 @@ def test_profiles_without_the_rate_predict_as_before():
             assert asdict(d) == asdict(
                 predict(drafter, "drafter", 16384, layout, same, 80, Options(anchors=64))
             )
+
+
+def test_calibrated_builtin_profile_has_the_benchmark_sft_layer():
+    """h200x2-2026-11-30-b measured Qwen3-1.7B's layer as benchmarks/bdlm_bench.py runs it (bf16 autocast,
+    checkpointing), so SFT records of that model are predicted at that rate, below the 8B-width layer's."""
+    prof = load_profile("h200x2-2026-11-30-b")
+    key = BDLMLayerSpec.of(load_shape(SFT_CONFIG), autocast=True, checkpointing=True).key
+    assert prof.bdlm_layer_shape == key and 0 < prof.bdlm_layer_tflops < prof.layer_tflops
+    assert "BDLM layer" in prof.summary()
 
 
 def test_record_predictor_uses_the_rate_for_records_of_that_layer():

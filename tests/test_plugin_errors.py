@@ -14,6 +14,7 @@ import yaml
 from specforge_csbp.plugin.groups import rank_sets
 from specforge_csbp.plugin.launch import preflight
 from specforge_csbp.plugin.options import prepare_run
+from specforge_csbp.plugin.registry import objective_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -51,6 +52,7 @@ def _write(tmp_path, training=None, nproc=4, store="store", csbp=None, **top):
         ({}, {"csbp": True}, ["csbp.mode=ring"], "csbp.mode: Input should be 'csbp' or 'cp'"),
         ({}, {"csbp": True}, ["csbp.attention_schedule=fused", "csbp.regather=true"],
          "csbp.regather: Value error, needs csbp.attention_schedule: overlap"),
+        ({}, {"csbp": True}, ["csbp.keep_logits_gib=-1"], "csbp.keep_logits_gib: Input should be greater than or equal to 0"),
         ({}, {"csbp": True}, ["csbp.attention_schedule=ring"], "csbp.attention_schedule: Input should be 'fused' or 'overlap'"),
         ({"fsdp_sharding": "FULL_SHARD"}, {"csbp": True}, [], "training.fsdp_sharding='FULL_SHARD'"),
         ({"strategyy": "dflash"}, {"csbp": True}, [], "training.strategyy: Extra inputs are not permitted"),
@@ -88,6 +90,9 @@ def test_flags_fields_and_overrides_resolve_to_the_same_layout(tmp_path):
     memory = prepare_run(_write(tmp_path), ["csbp.regather=true"], csbp=True)
     assert (memory.options.regather, memory.options.attention_schedule) == (True, None)  # overlap, implied
     assert prepare_run(_write(tmp_path), [], csbp=True).options.regather is False
+    kept = prepare_run(_write(tmp_path), ["csbp.keep_logits_gib=6"], csbp=True)
+    assert objective_for(kept.config, kept.options, 16).keep_logits_gib == 6.0
+    assert objective_for(memory.config, memory.options, 16).keep_logits_gib == 0.0
 
 
 def test_rank_sets_cp_fastest():

@@ -3,7 +3,9 @@ in the prefetch worker, and what it trains equals the single-process reference.
 
 Two gloo ranks, float64, CSBP P = 2, DFlash2: each rank brings one store sample, the CP group trains both.
 sum(numerators) / sum(denominators) and the summed gradients must equal `drafter_step(mode="reference")`
-over the same two samples (relative error <= 1e-10), and the module's own thread must build no mask.
+over the same two samples (relative error <= 1e-10), and the second sample's masks must be built in the
+prefetch worker (the first one's on the module's own thread: nothing announced it; across micro-steps see
+test_plugin_prefetch_across_steps.py).
 """
 
 import os
@@ -84,5 +86,7 @@ def test_plugin_module_equals_the_reference(results):
 
 
 def test_plugin_module_builds_masks_in_the_worker_and_keeps_them(results):
-    assert results["in_worker"] > 0 and results["in_forward"] == 0, results
+    # sample 0: nothing announced it (no look-ahead here), so the forward's own thread builds it; sample 1:
+    # the worker, while sample 0 runs
+    assert results["in_worker"] > 0 and results["in_forward"] > 0, results
     assert results["inflight"] == 2  # both samples' masks held until the next micro-step

@@ -46,6 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--anchors", type=int, default=512, help="drafter: draft blocks per sequence")
     p.add_argument("--checkpointing", choices=("auto", "on", "off"), default="auto")
+    p.add_argument("--keep-logits-gib", type=float, default=0.0,
+                   help="drafter: keep the loss's logits for backward when they fit in this many GiB")
     p.add_argument("--state-bytes", type=float, default=16.0, help="bytes per trainable parameter (weights+grads+Adam)")
     p.add_argument("--no-scaling", action="store_true", help="skip the 8/16-GPU prediction at 512K and 1M")
     p.add_argument("--json", default=None, help="also write the predictions as JSON here")
@@ -143,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
         workload = args.workload or ("drafter" if shape.drafter else "sft")
         load_shape(args.model, workload=workload)  # one-line error when workload and config disagree
     options = Options(block_size=args.block_size, anchors=args.anchors, state_bytes_per_param=args.state_bytes,
+                      keep_logits_gib=args.keep_logits_gib,
                       checkpointing={"auto": None, "on": True, "off": False}[args.checkpointing])  # fmt: skip
     if args.calibrate:
         layer = bdlm_layer(shape, options) if shape is not None and workload != "drafter" else None

@@ -78,6 +78,9 @@ class Options:
     sft_mask_fraction: float = 0.5  # E[t]: share of tokens masked (supervised) per SFT view
     autocast: bool | None = None  # fp32 weights + bf16 autocast (fp32 residual stream); default: on for BDLMs
     optimizer_step: bool = True  # an AdamW step per training step (costed only with a measured adamw_gbps)
+    # drafter: keep the vocabulary loss's logits for backward when they fit in this many GiB
+    # (objectives/linear_ce_topk.py): two [rows, V] GEMMs per row instead of three, the logits held
+    keep_logits_gib: float = 0.0
 
 
 @dataclass
@@ -149,6 +152,13 @@ def _bdlm(shape, workload, context, layout, profile, opt) -> Prediction:
     return _finish(shape, layout, profile, opt, compute_s, parts, mem, context, nl)
 
 
+def kept_logits_bytes(shape: ModelShape, rows: int, elem_bytes: int, opt: Options) -> int:
+    """Bytes of the drafter loss's logits kept for backward (0: recomputed), as linear_ce_topk decides it:
+    all of this rank's rows' [rows, V] logits at once, or none."""
+    nbytes = rows * shape.vocab * elem_bytes
+    return nbytes if 0 < nbytes <= opt.keep_logits_gib * 2**30 else 0
+
+
 def _drafter(shape, context, layout, profile, opt) -> Prediction:
     S, P, N = opt.block_size, layout.cp, opt.anchors
     mode = layout.mode
@@ -183,7 +193,9 @@ def _drafter(shape, context, layout, profile, opt) -> Prediction:
             elif mode == "cp" and P > 1:  # all-gather of every block row's partial (out, lse)
                 nbytes = (P - 1) * block_rows * shape.heads * (shape.head_dim * e + 4)
                 exposed += nbytes / profile.bandwidth("allgather", P)
-        loss = st[windows[0]].anchors * (S - 1) * 2 * shape.hidden * shape.vocab * 3 / loss_rate
+        rows = st[windows[0]].anchors * (S - 1)
+        gemms = 2 if kept_logits_bytes(shape, rows, e, opt) else 3  # logits, (recompute,) d hidden
+        loss = rows * 2 * shape.hidden * shape.vocab * gemms / loss_rate
         per_rank.append((fc + kvp + blocks + a + loss + exposed,
                          {"gemm": fc + kvp + blocks, "attention": a, "loss": loss, "exposed_comm": exposed}))  # fmt: skip
     worst = max(range(ranks), key=lambda r: (per_rank[r][0], -r))
@@ -191,7 +203,9 @@ def _drafter(shape, context, layout, profile, opt) -> Prediction:
     mem = max(
         (drafter_step_memory(shape, {w: per_window[w][r] for w in windows}, elem_bytes=e,
                              state_bytes=opt.state_bytes_per_param, ce_chunk=opt.ce_chunk,
-                             reserved_gib=profile.reserved_gib) for r in range(ranks)),
+                             reserved_gib=profile.reserved_gib,
+                             kept_logits=kept_logits_bytes(shape, per_window[windows[0]][r].anchors * (S - 1), e, opt))
+         for r in range(ranks)),
         key=lambda m: m.total,
     )  # fmt: skip
     return _finish(shape, layout, profile, opt, compute_s, parts, mem, N * (S - 1), shape.layers)

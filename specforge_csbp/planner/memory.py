@@ -163,6 +163,7 @@ def drafter_step_memory(
     state_bytes: float,
     ce_chunk: int,
     reserved_gib: float,
+    kept_logits: int = 0,
 ) -> MemoryBreakdown:
     """One rank of a DFlash drafter step (no activation checkpointing: the drafter is a few layers).
 
@@ -171,7 +172,7 @@ def drafter_step_memory(
     `cat([context, block])` that the attention saves: 2 x (2 Hk D) per row. Sliding-window layer types
     select their context rows once (`index_select`, saved as the K/V projection's input): h per selected
     row. Loss: `linear_ce_topk` holds three fp32 [chunk, V] buffers at its backward peak (logits,
-    logits - lse, their exp / the gradient)."""
+    logits - lse, their exp / the gradient), plus `kept_logits` bytes when the logits are kept for backward."""
     any_stats = next(iter(per_window.values()))
     ctx = max(st.context_rows for st in per_window.values())
     kv_row = 2 * shape.kv_heads * shape.head_dim * elem_bytes
@@ -187,7 +188,7 @@ def drafter_step_memory(
     ctx_kv += selected * shape.hidden * elem_bytes
     biggest = max((st.received_rows + st.gather_width) * kv_row for st in per_window.values())
     blocks = shape.layers * any_stats.block_rows * layer_activation_bytes_per_row(shape, elem_bytes)
-    loss = 3 * min(ce_chunk, max(any_stats.block_rows, 1)) * shape.vocab * 4
+    loss = 3 * min(ce_chunk, max(any_stats.block_rows, 1)) * shape.vocab * 4 + kept_logits
     states = shape.trainable_params * state_bytes + shape.frozen_params * elem_bytes
     return MemoryBreakdown(
         states=states / GiB, activations=(fc + ctx_kv + blocks) / GiB, buffers=(feats + gathered + biggest) / GiB,

@@ -44,7 +44,7 @@ from .rates import BDLMLayerSpec, measure_bdlm_layer, measure_drafter_attention,
 
 __all__ = ["BUILTIN_PROFILES", "MachineProfile", "calibrate", "load_profile"]
 
-BUILTIN_PROFILES = ("h200-nominal", "h200x2-2026-11-29", "h200x2-2026-11-30")
+BUILTIN_PROFILES = ("h200-nominal", "h200x2-2026-11-29", "h200x2-2026-11-30", "h200x2-2026-11-30-b")
 
 
 class MachineProfile(BaseModel):

@@ -57,7 +57,7 @@ def record_options(r: BenchRecord, kind: str) -> Options:
         opts["checkpointing"] = bool(ckpt)
     if extra.get("precision") is not None:
         opts["autocast"] = "autocast" in str(extra["precision"])
-    for key, cast in (("state_bytes_per_param", float), ("ce_chunk", int)):
+    for key, cast in (("state_bytes_per_param", float), ("ce_chunk", int), ("keep_logits_gib", float)):
         if extra.get(key) is not None:
             opts[key] = cast(extra[key])
     return Options(block_size=r.block_size, anchors=int(extra.get("anchors", 512)), **opts)

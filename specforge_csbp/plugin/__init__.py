@@ -9,6 +9,7 @@
     drafts.py           the drafter classes in SpecForge's draft registry (@register_draft)
     data.py             offline reader / normalizer / collator over this project's feature store
     training_model.py   the composite module SpecForge wraps (drafter + frozen target embedding and head)
+    lookahead.py        one batch of look-ahead over SpecForge's data stream: next micro-step's masks built early
     strategy.py         CSBPDraftTrainStrategy(DraftTrainStrategy)
 
 Importing this package is free (no torch, no specforge): the start-up hook imports `_hook` on every

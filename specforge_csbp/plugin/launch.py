@@ -175,7 +175,7 @@ def _train(resolved, prepared: PreparedRun) -> int:
     from specforge.cli import _bootstrap_single_process_env
     from specforge.distributed import destroy_distributed, init_distributed
 
-    from . import groups
+    from . import groups, lookahead
 
     cfg = resolved.config
     os.environ["FSDP_SHARDING"] = cfg.training.fsdp_sharding
@@ -193,11 +193,16 @@ def _train(resolved, prepared: PreparedRun) -> int:
         if dist.get_rank() != 0 and not os.environ.get("SPECFORGE_CSBP_LOG_ALL_RANKS"):
             # SpecForge prints each step's line on every rank; keep rank 0's (stderr stays on everywhere)
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115
-        step = build_application_run(resolved).run()
+        run = build_application_run(resolved)
+        # the next micro-step's first sample is built while this one's last runs (changes nothing if this
+        # SpecForge keeps its data stream elsewhere: plugin/lookahead.py)
+        lookahead.install(run)
+        step = run.run()
         if dist.get_rank() == 0:
             latest = os.path.join(cfg.output_dir, f"{cfg.run_id}-latest")
             print(f"specforge-csbp: trained {step} step(s); checkpoint {latest}", flush=True)
         return step
     finally:
+        lookahead.uninstall()
         groups.destroy()
         destroy_distributed()

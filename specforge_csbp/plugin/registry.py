@@ -171,6 +171,7 @@ def objective_for(cfg, options: CSBPOptions, block_size: int):
         gamma=cfg.training.loss_decay_gamma, dpace_alpha=cfg.training.dpace_alpha,
         selector_alpha=options.selector_alpha, selector_warmup_steps=options.selector_warmup_steps,
         chunk_size=blocks * block_size if blocks > 0 else 1 << 30, seed=cfg.training.seed,
+        keep_logits_gib=options.keep_logits_gib,
     )  # fmt: skip
 
 

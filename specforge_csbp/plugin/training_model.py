@@ -17,6 +17,21 @@ divides - the global denominator of the design, with no change to SpecForge.
 Anchors come from (training.seed, global step, store index of the sample) - the same on every rank and in
 every layout. A sample with fewer valid anchors than the CP size runs in mode `cp` (every rank computes
 its blocks, each counted 1/P), which is exact too.
+
+Plans and masks are built ahead by one worker thread (a side CUDA stream on GPU; models/dflash/prefetch.py)
+kept across micro-steps: sample j + 1 while sample j runs, and the next micro-step's first sample while
+this micro-step's last one runs, when plugin/lookahead.py announces the next batch and its global step:
+
+    micro-step i:    [sample 0][sample 1] ... [last] | backward, optimizer   | micro-step i + 1: [sample 0] ...
+    worker:                 build 1   build 2   build i+1's sample 0 --------^ used if (sample, step) match
+
+What runs is never taken on trust: the first sample's (store index, global step) must equal what was built,
+else that build is waited for, dropped, and the sample is built on the forward's own thread (as is every
+first sample nobody announced: no wrapper installed, the first batch of an epoch, eval forwards).
+Lifetime (prefetch.py): a micro-step's prepared masks stay referenced until the next micro-step starts
+(its backward launched by then), and they are dropped only after the build that was submitted before that
+backward - the look-ahead - has finished (taken, or waited for and dropped); every other running build was
+submitted after it, so the side stream already waits for the backward's kernels.
 """
 
 from __future__ import annotations
@@ -28,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import groups as csbp_groups
+from . import lookahead
 
 __all__ = ["BACKENDS", "CSBPDrafterTrainingModel", "SampleStats"]
 
@@ -70,6 +86,11 @@ class CSBPDrafterTrainingModel(nn.Module):
         self.schedule, self.regather = schedule, bool(regather)  # ShardedAttention's (None: fused)
         self._store = None
         self._inflight: list = []  # this micro-step's prepared masks (kept until the next one starts)
+        # one prefetch worker across micro-steps: job number -> (store index, global step, groups)
+        self._prefetch = None
+        self._jobs: dict[int, tuple] = {}
+        self._outstanding: int | None = None  # the newest submitted job nobody has taken yet
+        self.prefetch_stats = {"ahead_used": 0, "ahead_discarded": 0}
         self.last_stats: dict[str, float] = {}
 
     # -- data -----------------------------------------------------------------------------------------
@@ -81,24 +102,38 @@ class CSBPDrafterTrainingModel(nn.Module):
             self._store = FeatureStore(self.store_path, verify="trust")
         return self._store
 
-    def _gather_indices(self, sample_index: torch.Tensor, groups: csbp_groups.CSBPGroups) -> list[int]:
+    def _gather_indices(
+        self,
+        sample_index: torch.Tensor,
+        groups: csbp_groups.CSBPGroups,
+        next_index: torch.Tensor | None = None,
+    ) -> tuple[list[int], list[int] | None]:
+        """(the CP group's sample indices, the group's next micro-step's indices or None when any rank does
+        not know its next batch) - one all-gather of [this batch; next batch or -1] per rank."""
         local = sample_index.reshape(-1).to("cpu", torch.long)
+        ahead = None if next_index is None else next_index.reshape(-1).to("cpu", torch.long)
+        if ahead is None or ahead.shape != local.shape:
+            ahead = torch.full_like(local, -1)
         if groups.cp_group is None:
-            return local.tolist()
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if dist.get_backend(groups.cp_group) == "nccl"
-            else None
-        )
-        send = local.to(device) if device is not None else local
-        out = [torch.empty_like(send) for _ in range(groups.cp_size)]
-        dist.all_gather(out, send, group=groups.cp_group)
-        return torch.cat(out).cpu().tolist()
+            gathered = [torch.stack([local, ahead])]
+        else:
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if dist.get_backend(groups.cp_group) == "nccl"
+                else None
+            )
+            send = torch.stack([local, ahead])
+            send = send.to(device) if device is not None else send
+            gathered = [torch.empty_like(send) for _ in range(groups.cp_size)]
+            dist.all_gather(gathered, send, group=groups.cp_group)
+        both = torch.cat([g.cpu() for g in gathered], dim=1)
+        following = both[1].tolist()
+        return both[0].tolist(), None if min(following) < 0 else following
 
     # -- one sample -------------------------------------------------------------------------------------
     def _prepare(self, index: int, step: int, groups: csbp_groups.CSBPGroups) -> list:
         """Sample `index`'s device-free part (tokens, anchors, this rank's plan, block targets) as the
-        one-item work list StepPrefetcher builds attention for (runs in its worker thread)."""
+        one-item work list StepPrefetcher builds attention for (in its worker thread, or `_build_here`)."""
         from ..models.dflash.sharding import drafter_plans
         from ..models.dflash.step import DrafterSample
         from ..objectives.dflash import block_targets, sample_anchors
@@ -146,40 +181,116 @@ class CSBPDrafterTrainingModel(nn.Module):
         return SampleStats(terms.numerator * plan.loss_scale, denominator, stats)
 
     # -- one micro-step ---------------------------------------------------------------------------------
+    def _prefetcher_for(self, options, heads_per_kv: int):
+        """The one worker (and side stream) of this module, kept across micro-steps."""
+        from ..models.dflash.prefetch import StepPrefetcher
+
+        if self._prefetch is not None and self._prefetch.options != options:
+            self.close()  # waits for a running build before its masks' memory could be reused
+        if self._prefetch is None:
+            self._prefetch = StepPrefetcher(
+                self._prepare_job, options, device=self.lm_head.weight.device, groups=heads_per_kv
+            )
+        return self._prefetch
+
+    def _prepare_job(self, job: int) -> list:
+        """Prefetch job `job`'s work list (worker thread); a job never registered builds nothing."""
+        registered = self._jobs.get(job)
+        return [] if registered is None else self._prepare(*registered)
+
+    def _build_here(self, index: int, step: int, groups, options, heads_per_kv: int):
+        """Sample `index` built on this thread and the current stream: nothing built it ahead."""
+        from ..models.dflash.prefetch import PreparedStep
+        from ..models.dflash.sharding import prepare_plan_attention
+
+        work = self._prepare(index, step, groups)
+        attention = [options.build(plan) for _, plan, _ in work]
+        for layer_attention in attention:
+            prepare_plan_attention(layer_attention, self.lm_head.weight.device, heads_per_kv)
+        return PreparedStep(work, options, attention)
+
+    def _take(self, prefetcher, job: int):
+        """Job `job` from the worker; the prefetcher then starts job + 1 (registered or empty)."""
+        try:
+            return prefetcher.take(job)
+        finally:
+            self._outstanding = job + 1  # the newest submitted build nobody has taken yet
+
     def forward(self, sample_index: torch.Tensor, global_step: int = 0):
-        from ..models.dflash.prefetch import AttentionOptions, StepPrefetcher
+        """One micro-step; its first sample was built during the previous micro-step when the look-ahead
+        announced it (plugin/lookahead.py), later samples while the one before runs.
+
+            jobs (one worker, numbered):   micro-step i: first .. first+n-1    look-ahead: first+n
+            micro-step i + 1 starts:       (sample, step) == the look-ahead's?  yes: take it (built)
+                                                                                no: discard it, build here
+        """
+        from ..models.dflash.prefetch import AttentionOptions
 
         groups = csbp_groups.current()
-        indices = [int(i) for i in self._gather_indices(sample_index, groups)]
         step = int(global_step)
+        source = lookahead.current() if self.training else None  # eval forwards announce nothing
+        announced = source.next_batch(step) if source is not None else None
+        indices, next_indices = self._gather_indices(
+            sample_index, groups, None if announced is None else announced[0]
+        )
         _ = self.store  # opened here, not first in the worker thread
-        # The previous micro-step's masks: its backward has been launched by now, and no build is running,
-        # so they may go (prefetch.py, "Lifetime"). This micro-step's stay until the next one starts.
-        self._inflight = []
         config = self.draft_model.config
+        heads_per_kv = config.num_attention_heads // config.num_key_value_heads
         options = AttentionOptions(
             group=groups.cp_group, backend=self.backend, regather=self.regather, schedule=self.schedule
         )
+        prefetcher = self._prefetcher_for(options, heads_per_kv)
+        n, outstanding = len(indices), self._outstanding
+        built = None if outstanding is None else self._jobs.get(outstanding)
+        hit = built is not None and built[:2] == (indices[0], step)
+        # a miss leaves outstanding + 1 unregistered: taking the stale job starts it, and it builds nothing
+        first = outstanding if hit else (-1 if outstanding is None else outstanding) + 2
+        for j in range(1, n):
+            self._jobs[first + j] = (indices[j], step, groups)
+        if next_indices is not None:  # the next micro-step's first sample, built while this one's last runs
+            self._jobs[first + n] = (next_indices[0], announced[1], groups)
+        if hit:
+            prepared = self._take(prefetcher, first)
+            self.prefetch_stats["ahead_used"] += 1
+        elif outstanding is not None:
+            # a build for a micro-step that is not this one: wait for it (it may still be allocating), drop it
+            if built is not None:
+                self.prefetch_stats["ahead_discarded"] += 1
+            try:
+                self._take(prefetcher, outstanding)
+            except Exception:  # noqa: BLE001, S110 - the error of a step that does not run is not this step's
+                pass
+        # The previous micro-step's masks go now: its backward has been launched, and every build still
+        # running was submitted after that launch (prefetch.py, "Lifetime"). This micro-step's stay until
+        # the next one starts, after its backward was launched.
+        self._inflight = []
+        if not hit:
+            prefetcher.submit(first + 1)  # sample 1, or the look-ahead: built while sample 0 runs
+            self._outstanding = first + 1
+            prepared = self._build_here(indices[0], step, groups, options, heads_per_kv)
+        for job in [k for k in self._jobs if k < first]:
+            del self._jobs[job]
         numerator, denominator = None, 0.0
         totals = dict.fromkeys(_STAT_KEYS, 0.0)
-        # sample j + 1's plan and masks are built in a worker (side stream on GPU) while sample j runs
-        with StepPrefetcher(
-            lambda j: self._prepare(indices[j], step, groups) if j < len(indices) else [],
-            options,
-            device=self.lm_head.weight.device,
-            groups=config.num_attention_heads // config.num_key_value_heads,
-        ) as prefetcher:
-            for j in range(len(indices)):
-                prepared = prefetcher.take(j)
-                self._inflight.append(prepared)
-                out = self._sample(prepared, step)
-                numerator = out.numerator if numerator is None else numerator + out.numerator
-                denominator += out.denominator
-                for k, v in out.stats.items():
-                    totals[k] = totals.get(k, 0.0) + v
+        for j in range(n):
+            if j > 0:  # built in the worker while sample j - 1 ran; job first + j + 1 starts now
+                prepared = self._take(prefetcher, first + j)
+            self._inflight.append(prepared)
+            out = self._sample(prepared, step)
+            numerator = out.numerator if numerator is None else numerator + out.numerator
+            denominator += out.denominator
+            for k, v in out.stats.items():
+                totals[k] = totals.get(k, 0.0) + v
         # every trainable parameter takes part in the graph (DDP expects each one to get a gradient)
         params = [p for p in self.draft_model.parameters() if p.requires_grad]
         tie = torch.stack([p.reshape(-1)[0].to(numerator.dtype) for p in params]).sum() * 0.0
         numerator = numerator + tie
         self.last_stats = totals
         return numerator, numerator.new_tensor(denominator).detach(), totals
+
+    def close(self) -> None:
+        """Stop the prefetch worker (waits for a running build); the next forward starts a new one."""
+        if self._prefetch is not None:
+            self._prefetch.close()
+        self._prefetch, self._outstanding = None, None
+        self._jobs.clear()
