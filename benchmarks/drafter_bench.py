@@ -60,7 +60,7 @@ from specforge_csbp.models.dflash import (
     make_dflash_config,
     plan_attention,
 )
-from specforge_csbp.models.dflash.prefetch import AttentionOptions, StepPrefetcher
+from specforge_csbp.models.dflash.prefetch import AttentionOptions, StepPrefetcher, stage_indices
 from specforge_csbp.models.dflash.sharding import prepare_plan_attention, reference_attention
 from specforge_csbp.models.dflash.step import prepare_step
 from specforge_csbp.objectives.dflash import DFlashObjective, block_targets, loss_terms, sample_anchors
@@ -336,18 +336,15 @@ def components(model, plan, sample, head, embed, objective, env, fresh_plans=())
     rope_ctx = model.rotary_emb(feats[0], plan.ctx_positions.reshape(1, -1).to(dev))
     blocks = block_targets(sample.input_ids, sample.loss_mask, plan.owned_anchors, S, model.mask_token_id)
     pos = (plan.owned_anchors[:, None] + torch.arange(S)).reshape(-1)
+    staged = stage_indices(plan, blocks, dev)  # as a prepared step has them: no index copy in the timed code
     out = {}
 
     def ctx_step():
         ctx = model.project_context(feats)
         total = 0
         for layer in model.layers:
-            idx = plan.layers[layer.layer_type].ctx_index
-            c, cs = (
-                (ctx, rope_ctx)
-                if idx is None
-                else (ctx[:, idx.to(dev)], tuple(t[:, idx.to(dev)] for t in rope_ctx))
-            )
+            idx = staged.ctx_index[layer.layer_type]
+            c, cs = (ctx, rope_ctx) if idx is None else (ctx[:, idx], tuple(t[:, idx] for t in rope_ctx))
             k, v = layer.self_attn.context_kv(c, *cs)
             total = total + k.float().mean() + v.float().mean()
         total.backward()
@@ -372,7 +369,7 @@ def components(model, plan, sample, head, embed, objective, env, fresh_plans=())
     selector = getattr(model, "candidate_selector", None)
 
     def loss_step():
-        loss_terms(hidden[0], head, blocks, objective, selector=selector).numerator.backward()
+        loss_terms(hidden[0], head, blocks, objective, selector=selector, index=staged.loss).numerator.backward()
 
     out["loss_ms"] = _time(loss_step, env, 1, env.args.iters)
     attention = plan_attention(plan, group=dist.group.WORLD if plan.world_size > 1 else None, backend=env.backend,

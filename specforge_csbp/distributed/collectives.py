@@ -168,7 +168,8 @@ class KVGather:
 
     `start(k, v, rows, width)` launches the collective and returns a `GatherHandle` at once; its `wait()`
     returns the gathered K and V as [B, Hk, world * width, D] views, rank-major (segment r = rank r's rows,
-    padded to `width`).
+    padded to `width`). `rows` should already be on k's device (ShardedAttention stages its plan's rows
+    once, ahead of the step): an index elsewhere costs a host-to-device copy per call.
     """
 
     def __init__(self, group=None, *, stats: CommStats = COMM_STATS, communicate: bool = True):
@@ -177,8 +178,10 @@ class KVGather:
         self.stats, self.communicate = stats, communicate
 
     def start(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, width: int) -> GatherHandle:
+        if rows.device != k.device:  # one copy for K and V (a caller that staged its rows makes none)
+            rows = rows.to(k.device)
         # [n, 2, B, Hk, D]: token-major so the gathered buffer is rank-major along tokens.
-        kv = torch.stack([k.index_select(2, rows.to(k.device)), v.index_select(2, rows.to(v.device))], dim=0)
+        kv = torch.stack([k.index_select(2, rows), v.index_select(2, rows)], dim=0)
         shard = kv.permute(3, 0, 1, 2, 4)
         n = shard.shape[0]
         if n < width:

@@ -161,7 +161,10 @@ class Visibility:
             x[: len(self.k)] = self.coordinates()
             r = torch.zeros(4, q_len, dtype=torch.long)
             r[:, : len(self.q)] = self.ranges()
-            self._cache[key] = (x.to(device=device, dtype=dtype), r.to(device=device, dtype=dtype))
+            x, r = x.to(dtype), r.to(dtype)
+            if torch.device(device).type == "cuda":  # pinned + non_blocking: the building thread never waits
+                x, r = x.pin_memory(), r.pin_memory()  # for the stream's queue (a pageable copy does)
+            self._cache[key] = (x.to(device, non_blocking=True), r.to(device, non_blocking=True))
         return self._cache[key]
 
     def coordinates(self) -> torch.Tensor:

@@ -22,6 +22,10 @@ Loss of one step (every rank computes numerators for the anchors it owns; denomi
 
 with D = sum of all weights of the global batch ("dflash") or the number of sequences (D-PACE, as in
 SpecForge). alpha(step) ramps linearly from alpha/warmup to alpha over `selector_warmup_steps` steps.
+
+The loss reads its integer inputs through a `LossIndex` (supervised rows, their targets and predecessors):
+found on the host (`loss_index`, no device sync) and, in a prepared step, copied to the device ahead of it
+(models/dflash/prefetch.py), so the loss itself moves no index to the device.
 """
 
 from __future__ import annotations
@@ -41,9 +45,11 @@ __all__ = [
     "SHORTFALLS",
     "BlockTargets",
     "DFlashObjective",
+    "LossIndex",
     "LossTerms",
     "block_targets",
     "dpace_weights",
+    "loss_index",
     "loss_terms",
     "position_weights",
     "sample_anchors",
@@ -177,6 +183,35 @@ def block_targets(
     return BlockTargets(a, draft, ids[safe], supervised, ids[(pos - 1).clamp(0, L - 1)])
 
 
+@dataclass(frozen=True)
+class LossIndex:
+    """The integer inputs of `loss_terms` for one block set, all on one device.
+
+        supervised [N, S]  0 1 1 0 | 0 1 0 0      rows = flat (block * S + slot) indices of the 1s: 1 2 5
+        targets / predecessors [N * S]    ->      their values at those rows
+    """
+
+    rows: torch.Tensor  # [M] supervised rows, block-major
+    targets: torch.Tensor  # [M] token each row predicts
+    predecessors: torch.Tensor  # [M] the token before it (the selector's previous token)
+    supervised: torch.Tensor  # [N, S] bool (D-PACE weights run over whole blocks)
+
+    def to(self, device: torch.device | str, move=None) -> LossIndex:
+        """A copy on `device`; `move(tensor, device)` copies one tensor (default `Tensor.to`)."""
+        move = move or (lambda t, d: t.to(d))
+        parts = (self.rows, self.targets, self.predecessors, self.supervised)
+        return LossIndex(*(move(t, device) for t in parts))
+
+
+def loss_index(blocks: BlockTargets) -> LossIndex:
+    """`LossIndex` of `blocks`, on their device (the host for `block_targets` of host tokens: no sync)."""
+    rows = torch.nonzero(blocks.supervised.reshape(-1)).flatten()
+    targets, predecessors = (
+        t.reshape(-1).index_select(0, rows) for t in (blocks.targets, blocks.predecessors)
+    )
+    return LossIndex(rows, targets, predecessors, blocks.supervised)
+
+
 def position_weights(
     block_size: int, gamma: float | None, *, dtype=torch.float32, device=None
 ) -> torch.Tensor:
@@ -228,13 +263,17 @@ def loss_terms(
     *,
     selector=None,
     step: int = 0,
+    index: LossIndex | None = None,
 ) -> LossTerms:
-    """Numerators for the blocks whose hidden states [N*S, H] (block-major) this rank computed."""
+    """Numerators for the blocks whose hidden states [N*S, H] (block-major) this rank computed.
+    `index`: `loss_index(blocks)` already on hidden's device (staged ahead); None copies it here."""
     n, s = blocks.supervised.shape
     hidden = hidden.reshape(n * s, -1)
-    rows = torch.nonzero(blocks.supervised.reshape(-1)).flatten().to(hidden.device)
+    if index is None:
+        index = loss_index(blocks).to(hidden.device)
+    rows = index.rows
     h = hidden.index_select(0, rows)
-    y = blocks.targets.reshape(-1).to(hidden.device).index_select(0, rows)
+    y = index.targets
     alpha = objective.selector_weight(step) if selector is not None else 0.0
     top_k = selector.top_k if alpha > 0 else 1
     nll, top_v, top_i = linear_ce_topk(
@@ -248,7 +287,7 @@ def loss_terms(
         with torch.no_grad():
             prob = torch.zeros(n * s, dtype=nll.dtype, device=nll.device)
             prob.index_copy_(0, rows, torch.exp(-nll.detach()))
-            sup = blocks.supervised.to(nll.device)
+            sup = index.supervised
             full = dpace_weights(prob.view(n, s), sup, objective.dpace_alpha, objective.loss_type) * sup
             w = full.reshape(-1).index_select(0, rows)
     vocab = (nll * w).sum()
@@ -259,12 +298,12 @@ def loss_terms(
         "nll": (nll.detach() * w).sum(),
         "weight": w.sum(),
         "correct": (top_i[:, 0] == y).sum().to(acc),
-        "supervised": torch.tensor(float(y.numel()), dtype=acc, device=nll.device),
+        "supervised": torch.full((), float(y.numel()), dtype=acc, device=nll.device),  # a fill, not a copy
     }
     if alpha > 0:
         match = top_i == y[:, None]
         covered = match.any(dim=1)
-        pred = blocks.predecessors.reshape(-1).to(hidden.device).index_select(0, rows)
+        pred = index.predecessors
         h_sel, u_sel = (h.detach(), top_v.detach()) if objective.selector_stop_gradient else (h, top_v)
         scores = selector(h_sel, top_i, u_sel, pred)
         ce = F.cross_entropy(scores, match.long().argmax(dim=1), reduction="none")

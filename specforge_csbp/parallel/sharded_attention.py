@@ -21,6 +21,11 @@ schedule "overlap":
 The local call sees every key this rank holds; the remote call sees the other ranks' shared keys (this
 rank's own segment of the gathered buffer is PAD in the plan, so nothing is counted twice). Reference,
 CP, BP and CSBP are this same code over different plans (layout/plans.py).
+
+Index staging: the plan's shared rows (which local K/V rows go into the all-gather) are copied to the device
+once per executor, by `prepare` (ahead of the step, on the prefetch worker's side stream) or at the first
+call, never per call: a layer runs it in forward and again in any recompute. `stage_index` is the one way
+an index tensor is copied ahead (pinned memory, non_blocking: the host never waits for the GPU queue).
 """
 
 from __future__ import annotations
@@ -36,9 +41,27 @@ from ..layout.plans import ShardPlan, bdlm_plan
 from ..layout.tokens import TokenSet
 from ..masks.visibility import Visibility
 
-__all__ = ["SCHEDULES", "ShardedAttention", "bdlm_attention", "resolve_schedule"]
+__all__ = ["SCHEDULES", "ShardedAttention", "bdlm_attention", "resolve_schedule", "stage_index"]
 
 SCHEDULES = ("fused", "overlap")
+
+
+def _device_key(device: torch.device | str) -> torch.device:
+    """`device` as tensors on it report it ("cuda" -> "cuda:<current>"), so staged copies are found again."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def stage_index(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A copy of index tensor `t` on `device`, queued on the current stream. From the CPU to a GPU it goes
+    through pinned memory with non_blocking, so the host does not wait for the stream to drain (a pageable
+    copy does); the pinned buffer is not reused before the copy ran (PyTorch's caching host allocator)."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def resolve_schedule(schedule: str | None, regather: bool = False) -> str:
@@ -82,6 +105,7 @@ class ShardedAttention:
         rule = dict(clean_within_block=clean_within_block, window=window, noisy_causal=noisy_causal)
         self.local = Visibility(plan.q_tokens, plan.kv_tokens, block_size, **rule)
         self._gather = KVGather(group, stats=stats, communicate=communicate) if plan.communicates else None
+        self._shared_on: dict[torch.device, torch.Tensor] = {}  # plan.shared per device (`shared_rows`)
         if plan.communicates and schedule == "fused":  # one call over [local ++ the other ranks' segments]
             # the own segment of the gathered buffer is all PAD, so the kernel never gets it: 1/P fewer key
             # rows to copy, mask and write zero gradients for
@@ -99,17 +123,29 @@ class ShardedAttention:
         return (self.fused,) if self.schedule == "fused" else (self.local, self.remote)
 
     def prepare(self, device: torch.device | str, groups: int) -> None:
-        """Build every mask the seam calls will need (tables, packing decision, block masks) now, for
-        query heads per kv head `groups`, instead of inside the first forward call."""
+        """Build every mask the seam calls will need (tables, packing decision, block masks) and stage the
+        gather's rows on `device` now, for query heads per kv head `groups`, instead of inside the first
+        forward call."""
         for vis in self.visibilities:
             prepare_attention(vis, groups=groups, device=device, **self.seam)
+        if self._gather is not None:
+            self.shared_rows(device)
+
+    def shared_rows(self, device: torch.device | str) -> torch.Tensor:
+        """The plan's shared rows on `device`: staged by `prepare`, else copied at the first call (once)."""
+        device = _device_key(device)
+        rows = self._shared_on.get(device)
+        if rows is None:
+            rows = self._shared_on[device] = stage_index(self.plan.shared, device)
+        return rows
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self._gather is None:
             return partial_attention(q, k, v, self.local, scale=scale, **self.seam)
-        handle = self.last_gather = self._gather.start(k, v, self.plan.shared, self.plan.gather_len)
+        rows = self.shared_rows(k.device)
+        handle = self.last_gather = self._gather.start(k, v, rows, self.plan.gather_len)
         if self.schedule == "fused":
             k_all, v_all = handle.wait()
             # the cat copies, so the gathered buffer itself is not saved for backward (the concatenation is);

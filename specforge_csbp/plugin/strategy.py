@@ -54,6 +54,9 @@ class CSBPDraftTrainStrategy(DraftTrainStrategy):
         self._named = [(n, p) for n, p in inner.draft_model.named_parameters() if p.requires_grad]
         self._order = {id(p): (i, f"draft_model.{n}.grad") for i, (n, p) in enumerate(self._named)}
         self._found: tuple[int, str] | None = None  # (phase: 0 loss, 1 gradient; what), this rank
+        # this optimizer step's loss numerators, checked when it is due: a check in forward_loss would make
+        # the host wait for the forward pass before it launches backward
+        self._numerators: list[torch.Tensor] = []
         self._grad_found: tuple[int, str] | None = None  # (parameter index, what): the first in order
         self._step = 0
         self._armed = False
@@ -90,6 +93,10 @@ class CSBPDraftTrainStrategy(DraftTrainStrategy):
         self._armed = False
         if not isinstance(self.model, DistributedDataParallel):  # no comm hook: scan the gradients here
             self._note_grads([p for _, p in self._named], [p.grad for _, p in self._named])
+        numerators, self._numerators = self._numerators, []
+        bad = [n for n in numerators if not torch.isfinite(n).all()]
+        if bad and self._found is None:
+            self._found = (0, f"loss numerator ({float(bad[0])})")
         local = self._found or (None if self._grad_found is None else (1, self._grad_found[1]))
         self._found, self._grad_found = None, None
         group = getattr(self.model, "process_group", None) if dist.is_initialized() else None
@@ -118,11 +125,10 @@ class CSBPDraftTrainStrategy(DraftTrainStrategy):
         step = ctx.global_step if ctx is not None else 0
         numerator, denominator, stats = self.model(sample_index=batch.tensors[FEATURE], global_step=step)
         self._step, self._armed = step, True
-        if self._found is None and not torch.isfinite(numerator.detach()).all():
-            self._found = (0, f"loss numerator ({float(numerator.detach())})")
+        self._numerators.append(numerator.detach())  # checked before the optimizer step
 
-        def t(v):
-            return numerator.detach().new_tensor(float(v))
+        def t(v):  # the module's sums stay on the device: no host sync between forward and backward
+            return v.detach().to(numerator.dtype) if torch.is_tensor(v) else numerator.new_full((), float(v))
 
         ratios: dict[str, Any] = {"acc": (t(stats["correct"]), t(stats["supervised"]))}
         if self.has_selector:

@@ -56,7 +56,7 @@ _STAT_KEYS = ("nll", "weight", "correct", "supervised", "covered", "selector_ce"
 class SampleStats:
     numerator: torch.Tensor
     denominator: float
-    stats: dict[str, float]
+    stats: dict[str, torch.Tensor]
 
 
 class CSBPDrafterTrainingModel(nn.Module):
@@ -91,7 +91,7 @@ class CSBPDrafterTrainingModel(nn.Module):
         self._jobs: dict[int, tuple] = {}
         self._outstanding: int | None = None  # the newest submitted job nobody has taken yet
         self.prefetch_stats = {"ahead_used": 0, "ahead_discarded": 0}
-        self.last_stats: dict[str, float] = {}
+        self.last_stats: dict[str, float | torch.Tensor] = {}  # per-micro-step sums (device tensors)
 
     # -- data -----------------------------------------------------------------------------------------
     @property
@@ -159,25 +159,25 @@ class CSBPDrafterTrainingModel(nn.Module):
         from ..models.dflash.step import load_context
         from ..objectives.dflash import loss_terms
 
-        prepared.wait()
+        prepared.wait()  # masks and staged indices (prefetch.py build_work): the step copies no index
         (sample, plan, blocks), attention = prepared.work[0], prepared.attention[0]
+        staged = prepared.indices[0]
         draft = self.draft_model
-        S = int(draft.block_size)
         device, dtype = self.lm_head.weight.device, draft.fc.weight.dtype
         features = load_context(sample, plan.ctx_intervals, device, dtype, draft.fc.in_features)
-        owned = plan.owned_anchors
-        noise = self.embed_tokens(blocks.draft_ids.reshape(-1).to(device)).to(dtype)[None]
-        positions = (owned[:, None] + torch.arange(S)).reshape(-1)
-        hidden = draft(noise, positions, features, plan.ctx_positions, attention)
+        noise = self.embed_tokens(staged.draft_ids).to(dtype)[None]
+        hidden = draft(noise, staged.position_ids, features, staged.context_position_ids, attention)
         selector = getattr(draft, "candidate_selector", None)
         terms = loss_terms(
-            hidden[0], self.lm_head.weight, blocks, self.objective, selector=selector, step=step
+            hidden[0], self.lm_head.weight, blocks, self.objective, selector=selector, step=step,
+            index=staged.loss,
         )
         if self.objective.loss_type == "dflash":
             denominator = terms.denominator_part * plan.loss_scale
         else:  # D-PACE normalises per sequence; each rank holds its share of one sequence
             denominator = plan.sequence_share
-        stats = {k: float(v) * plan.loss_scale for k, v in terms.stats.items()}
+        # device tensors: a float() here would make the host wait for the forward before backward is launched
+        stats = {k: v.detach() * plan.loss_scale for k, v in terms.stats.items()}
         return SampleStats(terms.numerator * plan.loss_scale, denominator, stats)
 
     # -- one micro-step ---------------------------------------------------------------------------------
@@ -200,14 +200,11 @@ class CSBPDrafterTrainingModel(nn.Module):
 
     def _build_here(self, index: int, step: int, groups, options, heads_per_kv: int):
         """Sample `index` built on this thread and the current stream: nothing built it ahead."""
-        from ..models.dflash.prefetch import PreparedStep
-        from ..models.dflash.sharding import prepare_plan_attention
+        from ..models.dflash.prefetch import PreparedStep, build_work
 
         work = self._prepare(index, step, groups)
-        attention = [options.build(plan) for _, plan, _ in work]
-        for layer_attention in attention:
-            prepare_plan_attention(layer_attention, self.lm_head.weight.device, heads_per_kv)
-        return PreparedStep(work, options, attention)
+        attention, indices = build_work(work, options, self.lm_head.weight.device, heads_per_kv)
+        return PreparedStep(work, options, attention, indices=indices)
 
     def _take(self, prefetcher, job: int):
         """Job `job` from the worker; the prefetcher then starts job + 1 (registered or empty)."""

@@ -12,6 +12,10 @@ Who sees what is the one visibility rule (masks/visibility.py): a block's querie
 the block. The attention itself is a callable per layer type, `attend(q, k, v) -> (out, lse)` over the
 kv rows [selected context rows ; block rows] - a `ShardedAttention` of the step's plan (sharding.py), so
 the same model runs the reference, DP, CP and CSBP. Without one, the model builds the single-process plan.
+
+Index inputs (position ids, context positions, `LayerAttention.ctx_index`) are used where they are when
+they already live on the computation's device - a prepared step stages them there ahead of time
+(prefetch.py) - and copied otherwise (the reference path, direct calls with host tensors).
 """
 
 from __future__ import annotations
@@ -40,6 +44,11 @@ class LayerAttention:
 
     attend: Attend
     ctx_index: torch.Tensor | None = None  # rows of the (local) context; None = all of them
+
+
+def _on(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An index input on `device`: as it is when staged there already, else copied (unprepared callers)."""
+    return index if index.device == device else index.to(device)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -242,8 +251,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             )
         ctx = self.project_context(target_hidden)
         x = noise_embedding
-        rope_q = self.rotary_emb(x, position_ids.reshape(1, -1).to(x.device))
-        rope_ctx_all = self.rotary_emb(ctx, context_position_ids.reshape(1, -1).to(ctx.device))
+        rope_q = self.rotary_emb(x, _on(position_ids, x.device).reshape(1, -1))
+        rope_ctx_all = self.rotary_emb(ctx, _on(context_position_ids, ctx.device).reshape(1, -1))
         selected: dict[str, tuple] = {}
         for layer in self.layers:
             spec = attention[layer.layer_type]
@@ -251,7 +260,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                 if spec.ctx_index is None:
                     selected[layer.layer_type] = (ctx, rope_ctx_all)
                 else:
-                    idx = spec.ctx_index.to(ctx.device)
+                    idx = _on(spec.ctx_index, ctx.device)
                     selected[layer.layer_type] = (
                         ctx.index_select(1, idx),
                         tuple(t.index_select(1, idx) for t in rope_ctx_all),

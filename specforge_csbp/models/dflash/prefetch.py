@@ -1,4 +1,5 @@
-"""Build the next drafter step (plans, attention executors, their masks) while this step runs on the GPU.
+"""Build the next drafter step (plans, attention executors, their masks, its device indices) while this step
+runs on the GPU.
 
 Every drafter step draws new anchors, so every step has new plans and new block masks. Built inside the
 forward pass, that work (CPU tables, tile counting, the GQA packing decision, host-to-device copies) stops
@@ -7,11 +8,20 @@ the GPU idled (benchmarks/results/drafter_h200x2_2026-11-30.jsonl, `prep_ms`). H
 builds step i+1 on a side CUDA stream while step i runs; its syncs wait for the side stream only.
 
     main thread, main stream:  | step i: forward ....... backward ....... metrics (sync) | step i+1 ...
-    worker, side stream:         | build i+1: plans, executors, masks | record ready --------^ wait ready
+    worker, side stream:         | build i+1: plans, executors, masks, indices | record ready -^ wait ready
 
-Lifetime: a prepared step's masks are allocated on the side stream and read on the main one, so when they
-are freed the allocator hands their memory back to the side stream at once. Two rules keep a later build
-from overwriting it while main-stream kernels still read it:
+Every integer index the step reads is staged there too, so the step moves none to the device: a copy from
+pageable memory stops the host until the GPU queue drains (a profiled CSBP step at 512K on H200 showed 44
+pageable host-to-device copies, 18.7 ms: benchmarks/logs/drafter_h200x2_2026-11-30_d.log). Two owners, one
+copy each, pinned and non_blocking (`stage_index`):
+  - `ShardedAttention.prepare` stages its plan's gather rows (which local K/V rows are all-gathered);
+  - `stage_indices` stages the work item's own: draft rows' positions and token ids, context positions,
+    sliding layers' context rows, the loss's supervised rows / targets / predecessors (`StagedIndices`).
+A step nobody prepared stages the same indices itself, once each, at the point of first use.
+
+Lifetime: a prepared step's masks and staged indices are allocated on the side stream and read on the main
+one, so when they are freed the allocator hands their memory back to the side stream at once. Two rules keep
+a later build from overwriting it while main-stream kernels still read it:
   - every build first makes the side stream wait (on the GPU, not the host) for the main-stream work queued
     before the build was submitted;
   - the caller keeps a PreparedStep referenced until every kernel that reads its masks has been launched
@@ -25,6 +35,7 @@ after its backward was launched and with no build running.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,10 +45,12 @@ import torch
 import torch.distributed as dist
 
 from ...distributed.collectives import COMM_STATS, CommStats
+from ...objectives.dflash import BlockTargets, LossIndex, loss_index
+from ...parallel.sharded_attention import stage_index
 from .modeling import LayerAttention
 from .sharding import DrafterPlan, plan_attention, prepare_plan_attention
 
-__all__ = ["AttentionOptions", "PreparedStep", "StepPrefetcher"]
+__all__ = ["AttentionOptions", "PreparedStep", "StagedIndices", "StepPrefetcher", "build_work", "stage_indices"]
 
 
 @dataclass(frozen=True)
@@ -61,18 +74,69 @@ class AttentionOptions:
         )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class StagedIndices:
+    """The integer indices of one work item (sample, plan, block targets) on the step's device.
+
+        draft rows   block b, slot k:  position_ids = anchor_b + k     draft_ids = [anchor token, MASK ...]
+        context      context_position_ids (RoPE of the rank's context rows); ctx_index per layer type
+                     (the context rows feeding a sliding layer's K/V; None: all rows)
+        loss         LossIndex: supervised rows, their targets and predecessors, the supervised mask
+    """
+
+    position_ids: torch.Tensor  # [N*S]
+    draft_ids: torch.Tensor  # [N*S]
+    context_position_ids: torch.Tensor  # [Nc]
+    ctx_index: Mapping[str, torch.Tensor | None]
+    loss: LossIndex
+
+    def with_context_rows(self, attention: Mapping[str, LayerAttention]) -> dict[str, LayerAttention]:
+        """The model's `attention` argument with each layer type's context rows taken from here."""
+        return {kind: LayerAttention(layer.attend, self.ctx_index[kind]) for kind, layer in attention.items()}
+
+
+def stage_indices(plan: DrafterPlan, blocks: BlockTargets, device: torch.device | str) -> StagedIndices:
+    """Copy one work item's indices to `device` (on the current stream: the worker's side stream when
+    prefetched); computed on the host first, so nothing here waits for the GPU."""
+    S = plan.block_size
+    put = functools.partial(stage_index, device=device)
+    return StagedIndices(
+        position_ids=put((blocks.anchors[:, None] + torch.arange(S)).reshape(-1)),
+        draft_ids=put(blocks.draft_ids.reshape(-1)),
+        context_position_ids=put(plan.ctx_positions),
+        ctx_index={k: None if lp.ctx_index is None else put(lp.ctx_index) for k, lp in plan.layers.items()},
+        loss=loss_index(blocks).to(device, stage_index),
+    )
+
+
+def build_work(
+    work: list, options: AttentionOptions, device: torch.device | str, groups: int
+) -> tuple[list[dict[str, LayerAttention]], list[StagedIndices]]:
+    """Per work item (sample, plan, block targets): its attention with every mask built and its indices
+    staged on `device` (on the current stream), for `groups` query heads per kv head."""
+    attention, indices = [], []
+    for _, plan, blocks in work:
+        staged = stage_indices(plan, blocks, device)
+        layer_attention = staged.with_context_rows(options.build(plan))
+        prepare_plan_attention(layer_attention, device, groups)  # masks and gather rows
+        attention.append(layer_attention)
+        indices.append(staged)
+    return attention, indices
+
+
 @dataclass
 class PreparedStep:
     """One step's work items (sample, plan, block targets) and, per item, its attention with masks built
-    (empty: not built ahead)."""
+    and its indices staged on the device (both empty: not built ahead)."""
 
     work: list
     options: AttentionOptions
     attention: list[Mapping[str, LayerAttention]]
-    ready: torch.cuda.Event | None = None  # recorded on the side stream after the last mask
+    ready: torch.cuda.Event | None = None  # recorded on the side stream after the last mask and copy
+    indices: list[StagedIndices] = field(default_factory=list)
 
     def wait(self) -> None:
-        """Make the current stream wait for the masks (a GPU-side wait: the host does not block)."""
+        """Make the current stream wait for the masks and indices (on the GPU: the host does not block)."""
         if self.ready is not None:
             torch.cuda.current_stream().wait_event(self.ready)
 
@@ -111,11 +175,9 @@ class StepPrefetcher:
                 gpu.enter_context(torch.cuda.device(self.device))
                 gpu.enter_context(torch.cuda.stream(self._side))
                 self._side.wait_event(after)  # memory freed before the submit may be reused (module doc)
-            attention = [self.options.build(plan) for _, plan, _ in work]
-            for layer_attention in attention:
-                prepare_plan_attention(layer_attention, self.device, self.groups)
+            attention, indices = build_work(work, self.options, self.device, self.groups)
             ready = self._side.record_event() if self._side is not None else None
-        return PreparedStep(work, self.options, attention, ready)
+        return PreparedStep(work, self.options, attention, ready, indices)
 
     def submit(self, step: int) -> None:
         if step not in self._pending:

@@ -381,7 +381,9 @@ def plan_attention(
 
 def prepare_plan_attention(attention: Mapping[str, LayerAttention], device: torch.device | str, groups: int) -> None:
     """Build the masks of every layer type's attention (`plan_attention`'s result) now, for `groups` query
-    heads per kv head: the mask work of a step without its kernels (benchmarks time it as `prep_ms`)."""
+    heads per kv head, and stage the CSBP gather rows on `device`: the mask work of a step without its
+    kernels (benchmarks time it as `prep_ms`). The context rows of sliding layers are staged with the
+    step's other indices (prefetch.stage_indices)."""
     for layer in attention.values():
         layer.attend.prepare(device, groups)
 

@@ -30,7 +30,7 @@ from ...objectives.dflash import (
     sample_anchors,
 )
 from .modeling import DFlashDraftModel
-from .prefetch import AttentionOptions, PreparedStep
+from .prefetch import AttentionOptions, PreparedStep, stage_indices
 from .sharding import DRAFTER_MODES, DrafterPlan, drafter_plans
 
 __all__ = ["DrafterSample", "StepResult", "drafter_step", "load_context", "prepare_step", "sync_gradients"]
@@ -145,7 +145,8 @@ def drafter_step(
 ) -> StepResult:
     """Forward + backward of one step; gradients land in model parameters (summed over the group).
     `prepared`: this step's `prepare_step(...)` result, or a PreparedStep (prefetch.py: its attention
-    masks built ahead too), if computed ahead of time."""
+    masks built and its indices staged on the device ahead too), if computed ahead of time. Indices not
+    staged ahead are copied here, once each (`stage_indices`)."""
     if mode not in DRAFTER_MODES:
         raise ValueError(f"mode must be one of {', '.join(DRAFTER_MODES)}; got {mode!r}")
     if not samples:
@@ -160,25 +161,27 @@ def drafter_step(
         schedule=schedule, pack_gqa=pack_gqa,
     )  # fmt: skip
     ahead: list | None = None  # per work item, attention built ahead (masks included)
+    staged_ahead: list | None = None  # per work item, StagedIndices on the device
     if isinstance(prepared, PreparedStep):
         if prepared.options != options:
             raise ValueError(f"prepared: built with {prepared.options}, but this step asks for {options}")
         prepared.wait()
-        prepared, ahead = prepared.work, (list(prepared.attention) or None)
+        ahead, staged_ahead = list(prepared.attention) or None, list(prepared.indices) or None
+        prepared = prepared.work
     if prepared is None:
         prepared = prepare_step(
             model.config, samples, objective=objective, mode=mode, step=step, group=group, bucket=bucket
         )
     work = prepared
 
-    # global denominator: every rank adds its share, one all-reduce
+    # global denominator: every rank adds its share (on the host), one all-reduce
     den = torch.zeros((), dtype=torch.float64)
     for sample, plan, blocks in work:
         if objective.loss_type == "dflash":
             den += denominator_part(blocks, objective, S) * plan.loss_scale
         else:
             den += 1.0 if mode in ("reference", "dp") else plan.sequence_share
-    den = den.to(device)
+    den = torch.full((), float(den), dtype=torch.float64, device=device)  # a fill kernel, not a copy
     if world > 1:
         dist.all_reduce(den, group=group)
 
@@ -186,11 +189,13 @@ def drafter_step(
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for j, (sample, plan, blocks) in enumerate(work):
         feats = load_context(sample, plan.ctx_intervals, device, dtype, model.fc.in_features)
-        attention = ahead[j] if ahead is not None else options.build(plan)
-        emb = F.embedding(blocks.draft_ids.to(device).reshape(1, -1), embed_weight).to(dtype)
-        pos = (blocks.anchors[:, None] + torch.arange(S)).reshape(-1)
-        hidden = model(emb, pos, feats, plan.ctx_positions, attention=attention)
-        terms = loss_terms(hidden[0], head_weight, blocks, objective, selector=selector, step=step)
+        staged = staged_ahead[j] if staged_ahead is not None else stage_indices(plan, blocks, device)
+        attention = staged.with_context_rows(ahead[j] if ahead is not None else options.build(plan))
+        emb = F.embedding(staged.draft_ids.reshape(1, -1), embed_weight).to(dtype)
+        hidden = model(emb, staged.position_ids, feats, staged.context_position_ids, attention=attention)
+        terms = loss_terms(
+            hidden[0], head_weight, blocks, objective, selector=selector, step=step, index=staged.loss
+        )
         loss = terms.numerator * plan.loss_scale / den.to(terms.numerator.dtype)
         loss.backward()
         loss_sum += loss.detach().to(torch.float64)
@@ -198,21 +203,20 @@ def drafter_step(
             totals[k] = totals.get(k, 0) + v.detach().to(torch.float64) * plan.loss_scale
 
     names = ["nll", "weight", "correct", "supervised", "covered", "selector_ce", "selector_weight"]
-    vec = torch.stack(
-        [loss_sum] + [torch.as_tensor(totals.get(k, 0.0), dtype=torch.float64, device=device) for k in names]
-    )
+    vec = torch.stack([loss_sum] + [totals[k] if k in totals else loss_sum.new_zeros(()) for k in names])
     if world > 1:
         if sync_grads:
             sync_gradients([p for p in model.parameters() if p.requires_grad], group)
         dist.all_reduce(vec, group=group)
-    vals = dict(zip(["loss"] + names, vec.tolist()))
+    *values, denominator = torch.cat([vec, den[None]]).tolist()  # the step's one host sync
+    vals = dict(zip(["loss"] + names, values, strict=True))
     sup = max(vals["supervised"], 1.0)
     metrics = {
         "loss": vals["loss"],
-        "vocab_loss": vals["nll"] / float(den),
+        "vocab_loss": vals["nll"] / denominator,
         "acc": vals["correct"] / sup,
         "supervised": vals["supervised"],
-        "denominator": float(den),
+        "denominator": denominator,
     }
     if selector is not None:
         metrics["selector_coverage"] = vals["covered"] / sup
