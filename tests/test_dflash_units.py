@@ -19,6 +19,8 @@ from specforge_csbp.objectives.dflash import (
     DFlashObjective,
     block_targets,
     dpace_weights,
+    loss_index,
+    loss_terms,
     position_weights,
     sample_anchors,
     valid_anchor_positions,
@@ -284,3 +286,26 @@ def test_model_without_plan_equals_reference_plan():
     a = model(x, pos, feats, torch.arange(L))
     b = model(x, pos, feats, torch.arange(L), attention=plan_attention(plan))
     assert torch.allclose(a, b, rtol=0, atol=1e-12)
+
+
+def test_token_ids_are_range_checked_on_the_host_and_the_loss_then_skips_its_device_check(monkeypatch):
+    """block_targets(vocab_size=V) checks the host tokens (one-line error naming input_ids); the loss of such
+    blocks does not check its targets again on the device (a host sync mid-step), unless V is not its head's."""
+    import specforge_csbp.objectives.dflash as dflash_objective
+
+    ids, mask = torch.arange(10, 19), torch.ones(9)
+    with pytest.raises(ValueError, match=r"input_ids: token ids must be in \[0, vocab_size\) = \[0, 18\); got 10..18"):
+        block_targets(ids, mask, torch.tensor([3]), 4, mask_token_id=1, vocab_size=18)
+    calls = []
+    real = dflash_objective.linear_ce_topk
+    monkeypatch.setattr(
+        dflash_objective, "linear_ce_topk", lambda *a, **k: calls.append(k["check_targets"]) or real(*a, **k)
+    )
+    head = torch.randn(32, 8, dtype=torch.float64)
+    hidden = torch.randn(2 * 4, 8, dtype=torch.float64)
+    objective = DFlashObjective(num_anchors=2)
+    for vocab, expect in ((32, False), (64, True), (None, True)):
+        bt = block_targets(ids, mask, torch.tensor([2, 5]), 4, mask_token_id=1, vocab_size=vocab)
+        assert bt.vocab_checked == vocab
+        loss_terms(hidden, head, bt, objective, index=loss_index(bt))
+        assert calls[-1] is expect

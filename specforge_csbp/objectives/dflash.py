@@ -162,6 +162,7 @@ class BlockTargets:
     targets: torch.Tensor  # [N, S] token at anchor + k (clamped; meaningful where supervised)
     supervised: torch.Tensor  # [N, S] bool
     predecessors: torch.Tensor  # [N, S] token at anchor + k - 1 (the selector's previous token)
+    vocab_checked: int | None = None  # every token id was checked (on the host) to lie in [0, this)
 
 
 def block_targets(
@@ -170,8 +171,14 @@ def block_targets(
     anchors: torch.Tensor,
     block_size: int,
     mask_token_id: int,
+    vocab_size: int | None = None,
 ) -> BlockTargets:
     ids, mask = input_ids.reshape(-1), loss_mask.reshape(-1)
+    if vocab_size is not None and ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < vocab_size):
+        # checked here, on the host tokens, so the loss need not check its targets on the device (a sync)
+        raise ValueError(
+            f"input_ids: token ids must be in [0, vocab_size) = [0, {vocab_size}); got {int(ids.min())}..{int(ids.max())}"
+        )
     L, dev = ids.numel(), ids.device
     a = anchors.to(dev)
     pos = a[:, None] + torch.arange(block_size, device=dev)
@@ -180,7 +187,7 @@ def block_targets(
     supervised[:, 0] = False
     draft = torch.full_like(safe, mask_token_id)
     draft[:, 0] = ids[a]
-    return BlockTargets(a, draft, ids[safe], supervised, ids[(pos - 1).clamp(0, L - 1)])
+    return BlockTargets(a, draft, ids[safe], supervised, ids[(pos - 1).clamp(0, L - 1)], vocab_size)
 
 
 @dataclass(frozen=True)
@@ -269,6 +276,8 @@ def loss_terms(
     `index`: `loss_index(blocks)` already on hidden's device (staged ahead); None copies it here."""
     n, s = blocks.supervised.shape
     hidden = hidden.reshape(n * s, -1)
+    # targets checked on the host for this vocabulary (block_targets(vocab_size=...)) need no device check
+    checked = blocks.vocab_checked == head_weight.shape[0]
     if index is None:
         index = loss_index(blocks).to(hidden.device)
     rows = index.rows
@@ -278,7 +287,7 @@ def loss_terms(
     top_k = selector.top_k if alpha > 0 else 1
     nll, top_v, top_i = linear_ce_topk(
         h, head_weight, y, top_k=top_k, chunk_size=objective.chunk_size,
-        keep_logits_bytes=int(objective.keep_logits_gib * 2**30),
+        keep_logits_bytes=int(objective.keep_logits_gib * 2**30), check_targets=not checked,
     )  # fmt: skip
     decay = position_weights(s, objective.gamma, dtype=nll.dtype, device=nll.device)
     if objective.loss_type == "dflash":

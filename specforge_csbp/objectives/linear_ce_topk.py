@@ -87,11 +87,13 @@ def linear_ce_topk(
     top_k: int = 0,
     chunk_size: int = 2048,
     keep_logits_bytes: int = 0,
+    check_targets: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden [N, H], weight [V, H], targets [N] in [0, V) -> (nll [N], top-k logits [N, k], top-k ids [N, k]).
 
     Logits and losses are fp32 (fp64 for fp64 inputs); no [N, V] tensor outlives one chunk unless
-    `keep_logits_bytes` allows keeping them (module docstring).
+    `keep_logits_bytes` allows keeping them (module docstring). `check_targets=False` skips the range check
+    of `targets` (a host sync when they are on a GPU): for callers that checked them on the host already.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -106,6 +108,6 @@ def linear_ce_topk(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if keep_logits_bytes < 0:
         raise ValueError(f"keep_logits_bytes must be >= 0; got {keep_logits_bytes}")
-    if targets.numel() and bool(((targets < 0) | (targets >= vocab)).any()):
+    if check_targets and targets.numel() and bool(((targets < 0) | (targets >= vocab)).any()):
         raise ValueError(f"targets must be in [0, {vocab})")
     return _LinearCETopK.apply(hidden, weight, targets, int(top_k), int(chunk_size), int(keep_logits_bytes))

@@ -152,7 +152,10 @@ class CSBPDrafterTrainingModel(nn.Module):
         sample = DrafterSample(
             input_ids, loss_mask, lambda lo, hi: self.store.read_intervals(entry.id, [(lo, hi)])
         )
-        blocks = block_targets(input_ids, loss_mask, plan.owned_anchors, S, int(draft.mask_token_id))
+        blocks = block_targets(
+            input_ids, loss_mask, plan.owned_anchors, S, int(draft.mask_token_id),
+            vocab_size=int(self.lm_head.weight.shape[0]),
+        )  # fmt: skip
         return [(sample, plan, blocks)]
 
     def _sample(self, prepared, step: int) -> SampleStats:

@@ -117,7 +117,8 @@ def prepare_step(
         else:
             plan = drafter_plans(mode, sample.seq_len, anchors, config, world, bucket=bucket)[rank]
         blocks = block_targets(
-            sample.input_ids.cpu(), sample.loss_mask.cpu(), plan.owned_anchors, S, config.mask_token_id
+            sample.input_ids.cpu(), sample.loss_mask.cpu(), plan.owned_anchors, S, config.mask_token_id,
+            vocab_size=config.vocab_size,
         )
         work.append((sample, plan, blocks))
     return work
