@@ -286,7 +286,8 @@ class CSBPDrafterTrainingModel(nn.Module):
         tie = torch.stack([p.reshape(-1)[0].to(numerator.dtype) for p in params]).sum() * 0.0
         numerator = numerator + tie
         self.last_stats = totals
-        return numerator, numerator.new_tensor(denominator).detach(), totals
+        # a fill kernel: a host-to-device copy of the scalar would wait for the stream (pageable memory)
+        return numerator, numerator.new_full((), float(denominator)).detach(), totals
 
     def close(self) -> None:
         """Stop the prefetch worker (waits for a running build); the next forward starts a new one."""
