@@ -1,5 +1,6 @@
 """models/dflash/prefetch.py: a step whose plans and attention masks were built ahead, in the worker thread,
-computes exactly what a step that builds them itself computes, and builds no mask of its own.
+computes exactly what a step that builds them itself computes, and builds no mask of its own; with a
+FeatureLoad the worker also reads the context features (from a store-like callable) and the step none.
 
 Two gloo ranks, float64; CSBP (two sequences, DFlash2, bucketed sliding plans, regather) and CP.
 """
@@ -13,6 +14,8 @@ from test_dflash_parallel import Case, build
 
 from specforge_csbp.masks.visibility import Visibility
 from specforge_csbp.models.dflash import AttentionOptions, StepPrefetcher, drafter_step, prepare_step
+from specforge_csbp.models.dflash.prefetch import FeatureLoad
+from specforge_csbp.models.dflash.step import DrafterSample
 from specforge_csbp.models.dflash.sharding import MergedAttention
 
 CASES = [
@@ -103,7 +106,36 @@ def _worker(rank, world, out_dir):
                 )  # fmt: skip
             except ValueError as err:
                 wrong = str(err)
+        # features read ahead too: a store-like reader that notes the thread of every read
+        model3, head3, embed3, samples3, obj3 = build(case)
+        reads: list[str] = []
+
+        def reader(features):
+            def read(lo, hi):
+                reads.append(threading.current_thread().name)
+                return features[lo:hi].clone()
+
+            return read
+
+        samples3 = [DrafterSample(s.input_ids, s.loss_mask, reader(s.features)) for s in samples3]
+
+        def prepare3(i, case=case, cfg=model3.config, samples3=samples3, obj3=obj3):
+            return prepare_step(cfg, samples3, objective=obj3, mode=case.mode, step=i, group=group, bucket=case.bucket)
+
+        load = FeatureLoad(model3.fc.weight.dtype, model3.fc.in_features)
+        with StepPrefetcher(prepare3, options, device="cpu", groups=groups, features=load) as prefetcher:
+            prepared3 = prefetcher.take(1)
+            read_ahead = len(reads)
+            res3 = drafter_step(
+                model3, samples3, objective=obj3, mode=case.mode, head_weight=head3, embed_weight=embed3, step=1,
+                bucket=case.bucket, group=group, regather=case.regather, prepared=prepared3,
+            )  # fmt: skip
+            reads_in_step = reads[read_ahead:].count(threading.current_thread().name)
         results.append({
+            "features_loss_equal": res.loss == res3.loss,
+            "features_grads_equal": all(torch.equal(grads[n], p.grad) for n, p in model3.named_parameters()),
+            "features_read_ahead": read_ahead,
+            "features_read_in_step": reads_in_step,
             "case": repr(case),
             "loss_equal": res.loss == res2.loss,
             "grads_equal": all(torch.equal(grads[n], p.grad) for n, p in model2.named_parameters()),
@@ -128,6 +160,13 @@ def test_prefetched_step_is_identical_and_builds_nothing(results, index):
     assert r["loss_equal"] and r["grads_equal"], r["case"]
     assert r["masks_built_ahead"] > 0 and r["masks_built_in_step"] == 0 and r["mask_work_in_step"] == 0, r
     assert all(name.startswith("csbp-prefetch") for name in r["builders"]), r["builders"]  # in the worker
+
+
+@pytest.mark.parametrize("index", range(len(CASES)))
+def test_features_loaded_ahead_give_the_same_step_and_no_read_in_it(results, index):
+    r = results[index]
+    assert r["features_loss_equal"] and r["features_grads_equal"], r["case"]
+    assert r["features_read_ahead"] > 0 and r["features_read_in_step"] == 0, r
 
 
 @pytest.mark.parametrize("index", range(len(CASES)))

@@ -90,6 +90,8 @@ def test_flags_fields_and_overrides_resolve_to_the_same_layout(tmp_path):
     memory = prepare_run(_write(tmp_path), ["csbp.regather=true"], csbp=True)
     assert (memory.options.regather, memory.options.attention_schedule) == (True, None)  # overlap, implied
     assert prepare_run(_write(tmp_path), [], csbp=True).options.regather is False
+    assert prepare_run(_write(tmp_path), [], csbp=True).options.prefetch_features is True
+    assert prepare_run(_write(tmp_path), ["csbp.prefetch_features=false"], csbp=True).options.prefetch_features is False
     kept = prepare_run(_write(tmp_path), ["csbp.keep_logits_gib=6"], csbp=True)
     assert objective_for(kept.config, kept.options, 16).keep_logits_gib == 6.0
     assert objective_for(memory.config, memory.options, 16).keep_logits_gib == 0.0

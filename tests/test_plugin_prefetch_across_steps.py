@@ -35,6 +35,20 @@ CASE = Case("csbp", True, (53, 40, 47, 36, 58, 44), 5, block_size=4, window=7, s
 STRATEGY = "dflash2-csbp"
 ACCUMULATION, EPOCHS = 2, 2
 MAIN = "MainThread"
+READS: dict[str, int] = {}  # feature-store interval reads per thread (patched in the worker)
+
+
+def _count_store_reads() -> None:
+    from specforge_csbp.data.store import FeatureStore
+
+    read = FeatureStore.read_intervals
+
+    def counted(store, *args, **kwargs):
+        name = threading.current_thread().name
+        READS[name] = READS.get(name, 0) + 1
+        return read(store, *args, **kwargs)
+
+    FeatureStore.read_intervals = counted
 
 
 class _Backend:
@@ -112,15 +126,16 @@ def _run(name, root, out_dir, rank, masks, *, look_ahead, lie=None, start=None, 
                 return got if got is None else lie(len(told), *got)
 
             data.next_batch = lying
-    record = {"index": [], "step": [], "own_masks": [], "prepared": [], "eval_forwards": 0}
+    record = {"index": [], "step": [], "own_masks": [], "own_reads": [], "prepared": [], "eval_forwards": 0}
     forward, prepare = tm.forward, tm._prepare
 
     def counted_forward(sample_index, global_step=0):
         if not tm.training:
             record["eval_forwards"] += 1
             return forward(sample_index=sample_index, global_step=global_step)
-        before = masks.counts.get(MAIN, 0)
+        before, reads_before = masks.counts.get(MAIN, 0), READS.get(MAIN, 0)
         out = forward(sample_index=sample_index, global_step=global_step)
+        record["own_reads"].append(READS.get(MAIN, 0) - reads_before)
         record["index"].append(int(sample_index.reshape(-1)[0]))
         record["step"].append(int(global_step))
         record["own_masks"].append(masks.counts.get(MAIN, 0) - before)
@@ -174,6 +189,7 @@ def _worker(rank, world, out_dir):
     dist.barrier()
     csbp_groups.init_groups(2)
     masks = _MaskWork()
+    _count_store_reads()
     plain, plain_backend = _run("plain", root, out_dir, rank, masks, look_ahead=False)
     ahead, ahead_backend = _run("ahead", root, out_dir, rank, masks, look_ahead=True)
     others = [i for i in range(len(CASE.seq_lens)) if i not in plain["index"][:2]]
@@ -222,6 +238,9 @@ def test_later_micro_steps_build_no_mask_on_their_own_thread(results):
     own = results["ahead"]["own_masks"]
     assert own[0] > 0 and own[3] > 0, own  # the first micro-step, and the first of epoch 1: not announced
     assert [own[i] for i in (1, 2, 4, 5)] == [0, 0, 0, 0], own
+    # csbp.prefetch_features (default): the worker read those micro-steps' features from the store too
+    reads = results["ahead"]["own_reads"]
+    assert reads[0] > 0 and [reads[i] for i in (1, 2, 4, 5)] == [0, 0, 0, 0], reads
     assert results["ahead"]["stats"] == {"ahead_used": 4, "ahead_discarded": 0}
 
 

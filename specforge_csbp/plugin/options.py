@@ -64,6 +64,12 @@ class CSBPOptions(BaseModel):
         description="keep the vocabulary loss's logits for backward when this rank's fit in this many GiB: one "
         "[rows, vocab] GEMM fewer per chunk (2 x H200, 1 GPU, 64K: 6% faster step for 2.6 GiB); 0 = recompute",
     )  # fmt: skip
+    prefetch_features: bool = Field(
+        default=True,
+        description="read the next sample's context features from the store and copy them to the GPU while "
+        "the current one trains (one more sample's features in GPU memory: 13.4 GB per rank at 512K for a "
+        "5 x 5120 target); false: read and copy them at the start of each sample",
+    )
     bucket: int = Field(default=1, ge=1, description="pad planned row counts to a multiple (static shapes)")
     attention_schedule: Literal["fused", "overlap"] | None = Field(
         default=None,

@@ -74,6 +74,7 @@ class CSBPDrafterTrainingModel(nn.Module):
         bucket: int = 1,
         schedule: str | None = None,
         regather: bool = False,
+        prefetch_features: bool = True,
     ) -> None:
         super().__init__()
         self.draft_model = draft_model
@@ -84,6 +85,8 @@ class CSBPDrafterTrainingModel(nn.Module):
         self.backend = BACKENDS.get(attention_backend, "auto")
         self.bucket = int(bucket)
         self.schedule, self.regather = schedule, bool(regather)  # ShardedAttention's (None: fused)
+        # the prefetch worker also reads a sample's features from the store and copies them (side stream)
+        self.prefetch_features = bool(prefetch_features)
         self._store = None
         self._inflight: list = []  # this micro-step's prepared masks (kept until the next one starts)
         # one prefetch worker across micro-steps: job number -> (store index, global step, groups)
@@ -167,7 +170,11 @@ class CSBPDrafterTrainingModel(nn.Module):
         staged = prepared.indices[0]
         draft = self.draft_model
         device, dtype = self.lm_head.weight.device, draft.fc.weight.dtype
-        features = load_context(sample, plan.ctx_intervals, device, dtype, draft.fc.in_features)
+        features = (  # read from the store and copied by the prefetch worker, or here
+            prepared.features[0]
+            if prepared.features
+            else load_context(sample, plan.ctx_intervals, device, dtype, draft.fc.in_features)
+        )
         noise = self.embed_tokens(staged.draft_ids).to(dtype)[None]
         hidden = draft(noise, staged.position_ids, features, staged.context_position_ids, attention)
         selector = getattr(draft, "candidate_selector", None)
@@ -186,14 +193,17 @@ class CSBPDrafterTrainingModel(nn.Module):
     # -- one micro-step ---------------------------------------------------------------------------------
     def _prefetcher_for(self, options, heads_per_kv: int):
         """The one worker (and side stream) of this module, kept across micro-steps."""
-        from ..models.dflash.prefetch import StepPrefetcher
+        from ..models.dflash.prefetch import FeatureLoad, StepPrefetcher
 
         if self._prefetch is not None and self._prefetch.options != options:
             self.close()  # waits for a running build before its masks' memory could be reused
         if self._prefetch is None:
+            draft = self.draft_model
+            features = FeatureLoad(draft.fc.weight.dtype, draft.fc.in_features) if self.prefetch_features else None
             self._prefetch = StepPrefetcher(
-                self._prepare_job, options, device=self.lm_head.weight.device, groups=heads_per_kv
-            )
+                self._prepare_job, options, device=self.lm_head.weight.device, groups=heads_per_kv,
+                features=features,
+            )  # fmt: skip
         return self._prefetch
 
     def _prepare_job(self, job: int) -> list:
@@ -206,7 +216,7 @@ class CSBPDrafterTrainingModel(nn.Module):
         from ..models.dflash.prefetch import PreparedStep, build_work
 
         work = self._prepare(index, step, groups)
-        attention, indices = build_work(work, options, self.lm_head.weight.device, heads_per_kv)
+        attention, indices, _ = build_work(work, options, self.lm_head.weight.device, heads_per_kv)
         return PreparedStep(work, options, attention, indices=indices)
 
     def _take(self, prefetcher, job: int):

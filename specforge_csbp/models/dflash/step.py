@@ -59,14 +59,19 @@ class StepResult:
     plans: list[DrafterPlan] = field(default_factory=list)  # this rank's plans (one per sequence it ran)
 
 
-def load_context(sample: DrafterSample, intervals, device, dtype, width: int) -> list[torch.Tensor]:
+def load_context(
+    sample: DrafterSample, intervals, device, dtype, width: int, *, pin: bool = False
+) -> list[torch.Tensor]:
     """This rank's context feature rows, one [1, rows, width] piece per interval (never concatenated: the
-    features are the widest tensor of the step); one empty piece when the rank holds none."""
+    features are the widest tensor of the step); one empty piece when the rank holds none. `pin`: host rows
+    go through pinned memory, so the copy does not wait for the stream (the prefetch worker's use)."""
     parts = []
     for lo, hi in intervals:
         rows = (
             sample.features[lo:hi] if isinstance(sample.features, torch.Tensor) else sample.features(lo, hi)
         )
+        if pin and rows.device.type == "cpu":
+            rows = rows.pin_memory()
         parts.append(rows.to(device=device, dtype=dtype, non_blocking=True)[None])
     return parts or [torch.empty((1, 0, width), device=device, dtype=dtype)]
 
@@ -163,11 +168,13 @@ def drafter_step(
     )  # fmt: skip
     ahead: list | None = None  # per work item, attention built ahead (masks included)
     staged_ahead: list | None = None  # per work item, StagedIndices on the device
+    loaded_ahead: list | None = None  # per work item, its context features (prefetch.FeatureLoad)
     if isinstance(prepared, PreparedStep):
         if prepared.options != options:
             raise ValueError(f"prepared: built with {prepared.options}, but this step asks for {options}")
         prepared.wait()
         ahead, staged_ahead = list(prepared.attention) or None, list(prepared.indices) or None
+        loaded_ahead = list(prepared.features) or None
         prepared = prepared.work
     if prepared is None:
         prepared = prepare_step(
@@ -189,7 +196,11 @@ def drafter_step(
     totals: dict[str, torch.Tensor] = {}
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for j, (sample, plan, blocks) in enumerate(work):
-        feats = load_context(sample, plan.ctx_intervals, device, dtype, model.fc.in_features)
+        feats = (
+            loaded_ahead[j]
+            if loaded_ahead is not None
+            else load_context(sample, plan.ctx_intervals, device, dtype, model.fc.in_features)
+        )
         staged = staged_ahead[j] if staged_ahead is not None else stage_indices(plan, blocks, device)
         attention = staged.with_context_rows(ahead[j] if ahead is not None else options.build(plan))
         emb = F.embedding(staged.draft_ids.reshape(1, -1), embed_weight).to(dtype)
