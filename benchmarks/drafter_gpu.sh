@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 4 GPU runs (2 GPUs), in parts of < 10 min each: bash benchmarks/drafter_gpu.sh 1|2|3
+# Issue 4 GPU runs (2 GPUs), in parts of < 10 min each: bash benchmarks/drafter_gpu.sh 1|2|3|4
 # Every stage has its own time limit so one slow stage cannot take the others' time; records are written
 # point by point. Earlier forms of these parts: benchmarks/logs/drafter_h200x2_2026-11-29{,_b}.log.
 # Part 1: why CSBP loses at 512K / 512 anchors (session 3: 0.88x CP, ceiling 1.19x, ~180 ms per step outside
@@ -35,6 +35,13 @@ case "${1:-1}" in
   stage 120 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 1M --anchors 512 $PF --out "$R"
   stage 120 env CUDA_VISIBLE_DEVICES=0 python3 $B --shape a --no-dflash2 --modes specforge,csbp \
     --contexts 64K,128K,256K --anchors 512 --no-components $PF --out "$R"
+  ;;
+4)
+  # Session 5 built after its GPU time: the step's indices staged on the device (no pageable copy in the step;
+  # the profile's "Memcpy HtoD (Pageable -> Device)" row should be gone) and fewer host syncs. The 512K pair
+  # profiled (the 1.15x target), then 128K DP vs CSBP (the 1.8x-one-GPU target), CP first.
+  stage 150 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 512K --anchors 512 --profile --out "$R"
+  stage 130 torchrun --nproc-per-node 2 $B --shape a --modes dp,cp,csbp --contexts 128K --anchors 512 --out "$R"
   ;;
 esac
 echo "== $(date -u +%T) done"
