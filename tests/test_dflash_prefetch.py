@@ -173,3 +173,16 @@ def test_features_loaded_ahead_give_the_same_step_and_no_read_in_it(results, ind
 def test_prepared_step_with_other_options_is_refused(results, index):
     err = results[index]["wrong_options_error"]
     assert err is not None and err.startswith("prepared: built with") and "regather" in err
+
+
+def test_chunked_row_copy_covers_every_row_and_converts():
+    """copy_rows_chunked (the pinned feature copy's loop, run here unpinned on the CPU): every row lands, in
+    chunks of whole rows, for a chunk smaller than a row, uneven counts and a dtype change."""
+    from specforge_csbp.models.dflash.step import copy_rows_chunked
+
+    rows = torch.randn(37, 5, dtype=torch.float64)
+    for chunk_bytes in (1, 40, 7 * 5 * 8, 10**9):
+        out = torch.empty(37, 5, dtype=torch.float32)
+        assert torch.equal(copy_rows_chunked(rows, out, chunk_bytes, pin=False), rows.float())
+    empty = torch.empty(0, 5)
+    assert copy_rows_chunked(empty, torch.empty(0, 5), 64, pin=False).shape == (0, 5)
