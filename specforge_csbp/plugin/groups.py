@@ -10,6 +10,8 @@
 SpecForge keeps its own groups (its DDP gradient all-reduce and metric reductions run on WORLD). The CSBP
 groups are always separate communicators (`new_group`, even when one spans every rank): a collective of the
 sharded attention's backward must never interleave with DDP's asynchronous all-reduce on the same group.
+Each CP group has a gloo twin for host metadata (which samples a micro-step trains): exchanging it over NCCL
+would copy it to the GPU and back, a host-GPU sync at every micro-step.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class CSBPGroups:
     dp_rank: int
     cp_group: dist.ProcessGroup | None  # None when cp_size == 1
     dp_group: dist.ProcessGroup | None  # None when dp_replicas == 1
+    cp_host_group: dist.ProcessGroup | None = None  # gloo, same ranks as cp_group: CPU tensors only
 
 
 _CURRENT: CSBPGroups | None = None
@@ -50,18 +53,19 @@ def init_groups(cp_size: int) -> CSBPGroups:
     world, rank = dist.get_world_size(), dist.get_rank()
     cp_sets, dp_sets = rank_sets(world, cp_size)
     dp = world // cp_size
-    cp_group = dp_group = None
+    cp_group = dp_group = cp_host_group = None
     if cp_size > 1:
         for ranks in cp_sets:
             g = dist.new_group(ranks)
+            host = dist.new_group(ranks, backend="gloo")
             if rank in ranks:
-                cp_group = g
+                cp_group, cp_host_group = g, host
     if dp > 1:
         for ranks in dp_sets:
             g = dist.new_group(ranks)
             if rank in ranks:
                 dp_group = g
-    _CURRENT = CSBPGroups(cp_size, dp, rank % cp_size, rank // cp_size, cp_group, dp_group)
+    _CURRENT = CSBPGroups(cp_size, dp, rank % cp_size, rank // cp_size, cp_group, dp_group, cp_host_group)
     return _CURRENT
 
 
@@ -76,7 +80,7 @@ def current() -> CSBPGroups:
 
 def destroy() -> None:
     global _CURRENT
-    for g in (_CURRENT.cp_group, _CURRENT.dp_group) if _CURRENT is not None else ():
+    for g in (_CURRENT.cp_group, _CURRENT.dp_group, _CURRENT.cp_host_group) if _CURRENT is not None else ():
         if g is not None:
             try:
                 dist.destroy_process_group(g)

@@ -117,18 +117,17 @@ class CSBPDrafterTrainingModel(nn.Module):
         ahead = None if next_index is None else next_index.reshape(-1).to("cpu", torch.long)
         if ahead is None or ahead.shape != local.shape:
             ahead = torch.full_like(local, -1)
+        send = torch.stack([local, ahead])
         if groups.cp_group is None:
-            gathered = [torch.stack([local, ahead])]
+            gathered = [send]
         else:
-            device = (
-                torch.device("cuda", torch.cuda.current_device())
-                if dist.get_backend(groups.cp_group) == "nccl"
-                else None
-            )
-            send = torch.stack([local, ahead])
-            send = send.to(device) if device is not None else send
+            # the gloo twin keeps this host metadata on the host (over NCCL: a copy to the GPU and back, i.e. a
+            # host-GPU sync at every micro-step); groups made without one fall back to the CP group itself
+            group = groups.cp_host_group if groups.cp_host_group is not None else groups.cp_group
+            if dist.get_backend(group) == "nccl":
+                send = send.to(torch.device("cuda", torch.cuda.current_device()))
             gathered = [torch.empty_like(send) for _ in range(groups.cp_size)]
-            dist.all_gather(gathered, send, group=groups.cp_group)
+            dist.all_gather(gathered, send, group=group)
         both = torch.cat([g.cpu() for g in gathered], dim=1)
         following = both[1].tolist()
         return both[0].tolist(), None if min(following) < 0 else following
