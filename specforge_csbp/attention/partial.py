@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..devices import device_key
 from ..masks.visibility import Visibility
 from .dense import dense_attention
 from .packing import pack_q, packed_visibility, should_pack, tile_counts, unpack
@@ -86,9 +87,7 @@ def prepare_attention(
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     if pack_gqa not in (None, True, False):
         raise ValueError(f"pack_gqa must be one of None, True, False; got {pack_gqa!r}")
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:  # the key the call's q.device will look up
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = device_key(device)  # the key the call's q.device will look up
     if backend == "auto":
         backend = "flex" if device.type == "cuda" else "dense"
     pack = pack_gqa

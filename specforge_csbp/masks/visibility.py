@@ -63,6 +63,7 @@ from typing import Any
 
 import torch
 
+from ..devices import stage_index
 from ..layout.tokens import CLEAN, NOISY, TokenSet
 
 __all__ = ["CLEAN_RULES", "MAX_POSITION", "Visibility", "key_coordinates", "query_ranges", "visible"]
@@ -161,10 +162,8 @@ class Visibility:
             x[: len(self.k)] = self.coordinates()
             r = torch.zeros(4, q_len, dtype=torch.long)
             r[:, : len(self.q)] = self.ranges()
-            x, r = x.to(dtype), r.to(dtype)
-            if torch.device(device).type == "cuda":  # pinned + non_blocking: the building thread never waits
-                x, r = x.pin_memory(), r.pin_memory()  # for the stream's queue (a pageable copy does)
-            self._cache[key] = (x.to(device, non_blocking=True), r.to(device, non_blocking=True))
+            # pinned + non_blocking on a GPU: the building thread never waits for the stream's queue
+            self._cache[key] = (stage_index(x.to(dtype), device), stage_index(r.to(dtype), device))
         return self._cache[key]
 
     def coordinates(self) -> torch.Tensor:

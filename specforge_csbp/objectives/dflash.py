@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..devices import stage_index
 from .linear_ce_topk import linear_ce_topk
 
 __all__ = [
@@ -203,11 +204,10 @@ class LossIndex:
     predecessors: torch.Tensor  # [M] the token before it (the selector's previous token)
     supervised: torch.Tensor  # [N, S] bool (D-PACE weights run over whole blocks)
 
-    def to(self, device: torch.device | str, move=None) -> LossIndex:
-        """A copy on `device`; `move(tensor, device)` copies one tensor (default `Tensor.to`)."""
-        move = move or (lambda t, d: t.to(d))
+    def to(self, device: torch.device | str) -> LossIndex:
+        """A copy on `device` (`devices.stage_index`: pinned, non_blocking from the host to a GPU)."""
         parts = (self.rows, self.targets, self.predecessors, self.supervised)
-        return LossIndex(*(move(t, device) for t in parts))
+        return LossIndex(*(stage_index(t, device) for t in parts))
 
 
 def loss_index(blocks: BlockTargets) -> LossIndex:

@@ -24,8 +24,8 @@ CP, BP and CSBP are this same code over different plans (layout/plans.py).
 
 Index staging: the plan's shared rows (which local K/V rows go into the all-gather) are copied to the device
 once per executor, by `prepare` (ahead of the step, on the prefetch worker's side stream) or at the first
-call, never per call: a layer runs it in forward and again in any recompute. `stage_index` is the one way
-an index tensor is copied ahead (pinned memory, non_blocking: the host never waits for the GPU queue).
+call, never per call: a layer runs it in forward and again in any recompute (`devices.stage_index`: pinned
+memory, non_blocking, so the host never waits for the GPU queue).
 """
 
 from __future__ import annotations
@@ -36,32 +36,15 @@ import torch
 import torch.distributed as dist
 
 from ..attention import merge_partials, partial_attention, prepare_attention
+from ..devices import device_key, stage_index
 from ..distributed.collectives import COMM_STATS, CommStats, KVGather
 from ..layout.plans import ShardPlan, bdlm_plan
 from ..layout.tokens import TokenSet
 from ..masks.visibility import Visibility
 
-__all__ = ["SCHEDULES", "ShardedAttention", "bdlm_attention", "resolve_schedule", "stage_index"]
+__all__ = ["SCHEDULES", "ShardedAttention", "bdlm_attention", "resolve_schedule"]
 
 SCHEDULES = ("fused", "overlap")
-
-
-def _device_key(device: torch.device | str) -> torch.device:
-    """`device` as tensors on it report it ("cuda" -> "cuda:<current>"), so staged copies are found again."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def stage_index(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A copy of index tensor `t` on `device`, queued on the current stream. From the CPU to a GPU it goes
-    through pinned memory with non_blocking, so the host does not wait for the stream to drain (a pageable
-    copy does); the pinned buffer is not reused before the copy ran (PyTorch's caching host allocator)."""
-    device = torch.device(device)
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def resolve_schedule(schedule: str | None, regather: bool = False) -> str:
@@ -133,7 +116,7 @@ class ShardedAttention:
 
     def shared_rows(self, device: torch.device | str) -> torch.Tensor:
         """The plan's shared rows on `device`: staged by `prepare`, else copied at the first call (once)."""
-        device = _device_key(device)
+        device = device_key(device)
         rows = self._shared_on.get(device)
         if rows is None:
             rows = self._shared_on[device] = stage_index(self.plan.shared, device)

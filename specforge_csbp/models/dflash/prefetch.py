@@ -44,9 +44,9 @@ from typing import Self
 import torch
 import torch.distributed as dist
 
+from ...devices import device_key, stage_index
 from ...distributed.collectives import COMM_STATS, CommStats
 from ...objectives.dflash import BlockTargets, LossIndex, loss_index
-from ...parallel.sharded_attention import stage_index
 from .modeling import LayerAttention
 from .sharding import DrafterPlan, plan_attention, prepare_plan_attention
 
@@ -116,7 +116,7 @@ def stage_indices(plan: DrafterPlan, blocks: BlockTargets, device: torch.device 
         draft_ids=put(blocks.draft_ids.reshape(-1)),
         context_position_ids=put(plan.ctx_positions),
         ctx_index={k: None if lp.ctx_index is None else put(lp.ctx_index) for k, lp in plan.layers.items()},
-        loss=loss_index(blocks).to(device, stage_index),
+        loss=loss_index(blocks).to(device),
     )
 
 
@@ -180,9 +180,7 @@ class StepPrefetcher:
     ) -> None:
         self.prepare, self.options, self.groups, self.masks = prepare, options, int(groups), bool(masks)
         self.features = features
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device_key(device)
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="csbp-prefetch")
         self._pending: dict[int, Future[PreparedStep]] = {}
