@@ -5,6 +5,7 @@ import torch
 from mask_cases import drafter_shards
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+import specforge_csbp.attention.flex as flex_backend
 from specforge_csbp.attention import partial_attention
 from specforge_csbp.attention.flex import block_mask_for, tile_status
 from specforge_csbp.layout import bdlm_plan
@@ -30,15 +31,24 @@ def test_chunked_block_mask_equals_create_block_mask(budget):
         assert torch.equal(ours.full_kv_num_blocks, theirs.full_kv_num_blocks)
 
 
-def test_flex_forward_with_our_block_mask_equals_the_dense_seam():
+def test_flex_forward_with_our_block_mask_equals_the_dense_seam(monkeypatch):
+    """Lengths that are not multiples of 128 (320 tokens over 3 ranks): the block mask covers whole tiles, the
+    inputs are padded to them (PAD rows) and the outputs cut back - the dense seam's result (eager flex)."""
+    monkeypatch.setattr(flex_backend, "_compiled_flex", lambda: flex_attention)
     torch.manual_seed(0)
     plan = bdlm_plan("csbp", 320, 16, 3)[1]
     vis = Visibility(plan.q_tokens, plan.kv_tokens, 16)
-    q = torch.randn(1, 4, len(plan.q_rows), 16)
-    k, v = torch.randn(2, 1, 2, len(plan.kv_rows), 16)
-    out = flex_attention(q, k, v, block_mask=block_mask_for(vis, torch.device("cpu")), enable_gqa=True)
-    ref, _ = partial_attention(q, k, v, vis, backend="dense")
+    nq, nk = len(plan.q_rows), len(plan.kv_rows)
+    assert nq % 128 and nk % 128  # the padded path
+    assert block_mask_for(vis, torch.device("cpu")).seq_lengths == (-(-nq // 128) * 128, -(-nk // 128) * 128)
+    q = torch.randn(1, 4, nq, 16)
+    k, v = torch.randn(2, 1, 2, nk, 16)
+    out, lse = flex_backend.flex_attention_partial(q, k, v, vis, 16**-0.5)
+    ref, ref_lse = partial_attention(q, k, v, vis, backend="dense")
+    assert out.shape == ref.shape and lse.shape == ref_lse.shape
     assert torch.allclose(out, ref, atol=1e-5, rtol=0)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(seen, torch.isfinite(lse)) and torch.allclose(lse[seen], ref_lse[seen], atol=1e-5, rtol=0)
 
 
 def _drafter_visibilities():

@@ -16,6 +16,7 @@ __all__ = [
     "block_mask_from_status",
     "flex_attention_partial",
     "flex_available",
+    "kernel_options",
     "tile_status",
     "tile_visits",
 ]
@@ -97,9 +98,11 @@ def block_mask_from_status(vis: Visibility, any_visible, all_visible, device: to
 
     kv_num, kv_idx = blocks(partial)
     full_num, full_idx = blocks(full)
+    # lengths of whole tiles: the kernel runs on inputs padded to them (`flex_attention_partial`), so it can
+    # drop its bounds checks; the padding rows are PAD in the mask tables, visible to and seeing nothing
     return BlockMask.from_kv_blocks(
         kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile, mask_mod=vis.mask_mod(device, q_len=n_qt * tile, k_len=n_kt * tile),
-        seq_lengths=(len(vis.q), len(vis.k)),
+        seq_lengths=(n_qt * tile, n_kt * tile),
     )  # fmt: skip
 
 
@@ -121,9 +124,41 @@ def tile_visits(block_mask) -> int:
     return int(block_mask.kv_num_blocks.sum()) + int(block_mask.full_kv_num_blocks.sum())
 
 
+#: row multiple at which FlexAttention's kernels can drop their bounds checks (every kernel block size divides it)
+DIVISIBLE_ROWS = 128
+#: say so when it holds (`kernel_options`); off only for A/B measurements (benchmarks/flex_layer_bench.py)
+ASSERT_DIVISIBLE = True
+
+
+def kernel_options(q_len: int, kv_len: int) -> dict[str, bool] | None:
+    """FlexAttention kernel options for one call: IS_DIVISIBLE when both lengths are multiples of 128.
+
+    Why: the kernels skip bounds checks and the masking of a last partial tile (IS_DIVISIBLE) only when
+    inductor can prove both lengths are multiples of 128, i.e. for static shapes. Our call site is compiled
+    with automatic dynamic shapes (every plan has its own row counts: a drafter step's sliding layers keep a
+    different number of rows each step), so after the first change of length every kernel ran with the
+    checks: on one H200, a drafter's full layer at 512K took 194 ms (CP) / 200 ms (CSBP) dynamic against
+    159 / 166 ms static, and 163 / 170 ms dynamic with this option (benchmarks/flex_layer_bench.py). The
+    lengths are known at the call (and padded to whole tiles there), so the call states it; dynamo guards
+    on the option, so a call without it gets its own kernel."""
+    if ASSERT_DIVISIBLE and q_len % DIVISIBLE_ROWS == 0 and kv_len % DIVISIBLE_ROWS == 0:
+        return {"IS_DIVISIBLE": True}
+    return None
+
+
 def flex_attention_partial(q, k, v, vis: Visibility, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlexAttention over `vis`, on inputs padded to whole 128-row tiles (PAD rows: they see and are seen by
+    nothing, and their outputs are cut off), so the kernel can drop its bounds checks (`kernel_options`).
+    Lengths that are multiples of 128 already - every benchmark plan - are passed through without a copy."""
     block_mask = block_mask_for(vis, q.device)
+    nq, nk = q.shape[2], k.shape[2]
+    q_len, kv_len = block_mask.seq_lengths
+    if q_len != nq:
+        q = torch.nn.functional.pad(q, (0, 0, 0, q_len - nq))
+    if kv_len != nk:
+        k, v = (torch.nn.functional.pad(t, (0, 0, 0, kv_len - nk)) for t in (k, v))
     out, lse = _compiled_flex()(
-        q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1], return_lse=True
-    )
-    return out, lse
+        q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1], return_lse=True,
+        kernel_options=kernel_options(q_len, kv_len),
+    )  # fmt: skip
+    return (out[:, :, :nq], lse[:, :, :nq]) if q_len != nq else (out, lse)
