@@ -5,6 +5,8 @@ so weights that depend on them (D-PACE) and the selector's candidate logits can 
 
     forward, per chunk:   z = h W^T  ->  nll = lse(z) - z[y],   (top-k values, ids) of z
     backward, per chunk:  dz = d_nll * (softmax(z) - onehot(y))  +  scatter(d_topk at the top-k ids)
+
+The per-chunk arithmetic between the GEMMs is `ce_chunk.py` (compiled into one or two passes on CUDA).
                           dH = dz W,  dW += dz^T h   (dW only if W requires grad; a frozen LM head does not)
 
 The top-k ids carry no gradient; the top-k values do (the selector's unary term flows into the drafter).
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from .ce_chunk import chunk_forward, chunk_grad
+
 __all__ = ["linear_ce_topk"]
 
 
@@ -27,7 +31,7 @@ def _acc(z: torch.Tensor) -> torch.Tensor:
 
 class _LinearCETopK(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, top_k, chunk_size, keep_logits_bytes):
+    def forward(ctx, hidden, weight, targets, top_k, chunk_size, keep_logits_bytes, fused):
         n = hidden.shape[0]
         keep = n * weight.shape[0] * hidden.element_size() <= keep_logits_bytes  # the GEMM output's bytes
         kept: list[torch.Tensor] = []
@@ -41,13 +45,15 @@ class _LinearCETopK(torch.autograd.Function):
             raw = torch.matmul(hidden[lo:hi], weight.t())
             if keep:
                 kept.append(raw)
-            z = _acc(raw)
-            lse[lo:hi] = torch.logsumexp(z, dim=-1)
-            nll[lo:hi] = lse[lo:hi] - z.gather(1, targets[lo:hi, None])[:, 0]
-            if top_k:
-                top_v[lo:hi], top_i[lo:hi] = z.topk(top_k, dim=-1)
+            # lse, the target's logit and the top-1 in one pass (ce_chunk.py); top-k > 1 by radix select
+            lse[lo:hi], picked, best, best_id = chunk_forward(raw, targets[lo:hi], fused=fused)
+            nll[lo:hi] = lse[lo:hi] - picked
+            if top_k == 1:
+                top_v[lo:hi, 0], top_i[lo:hi, 0] = best, best_id
+            elif top_k:
+                top_v[lo:hi], top_i[lo:hi] = _acc(raw).topk(top_k, dim=-1)
         ctx.save_for_backward(hidden, weight, targets, lse, top_i)
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.fused = chunk_size, fused
         ctx.kept = kept  # intermediate results, not inputs: held on ctx until backward
         ctx.mark_non_differentiable(top_i)
         return nll, top_v, top_i
@@ -60,23 +66,25 @@ class _LinearCETopK(torch.autograd.Function):
         d_hidden = torch.zeros_like(hidden) if need_h else None
         d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         kept, ctx.kept = ctx.kept, []
+        scatter_top = d_top is not None and top_i.shape[1] > 0
         for i, lo in enumerate(range(0, hidden.shape[0], ctx.chunk_size)):
             hi = min(hidden.shape[0], lo + ctx.chunk_size)
-            z = _acc(kept[i] if kept else torch.matmul(hidden[lo:hi], weight.t()))
+            raw = kept[i] if kept else torch.matmul(hidden[lo:hi], weight.t())
             if kept:
                 kept[i] = None  # each chunk's logits go as soon as they are used
-            dz = torch.zeros_like(z)
+            # straight to the GEMM's dtype unless the top-k gradient still has to be added (at full precision)
+            out_dtype = acc if (scatter_top or need_w) else weight.dtype
             if d_nll is not None:
-                g = d_nll[lo:hi].to(acc)
-                dz = torch.exp(z - lse[lo:hi, None]) * g[:, None]
-                dz.scatter_add_(1, targets[lo:hi, None], -g[:, None])
-            if d_top is not None and top_i.shape[1]:
+                dz = chunk_grad(raw, lse[lo:hi], d_nll[lo:hi], targets[lo:hi], out_dtype, fused=ctx.fused)
+            else:
+                dz = torch.zeros(raw.shape, dtype=out_dtype, device=raw.device)
+            if scatter_top:
                 dz.scatter_add_(1, top_i[lo:hi], d_top[lo:hi].to(acc))
             if need_h:
                 d_hidden[lo:hi] = torch.matmul(dz.to(weight.dtype), weight).to(hidden.dtype)
             if need_w:
                 d_weight += torch.matmul(dz.t(), hidden[lo:hi].to(acc))
-        return d_hidden, None if d_weight is None else d_weight.to(weight.dtype), None, None, None, None
+        return d_hidden, None if d_weight is None else d_weight.to(weight.dtype), None, None, None, None, None
 
 
 def linear_ce_topk(
@@ -88,12 +96,14 @@ def linear_ce_topk(
     chunk_size: int = 2048,
     keep_logits_bytes: int = 0,
     check_targets: bool = True,
+    fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden [N, H], weight [V, H], targets [N] in [0, V) -> (nll [N], top-k logits [N, k], top-k ids [N, k]).
 
     Logits and losses are fp32 (fp64 for fp64 inputs); no [N, V] tensor outlives one chunk unless
     `keep_logits_bytes` allows keeping them (module docstring). `check_targets=False` skips the range check
     of `targets` (a host sync when they are on a GPU): for callers that checked them on the host already.
+    `fused`: the per-chunk arithmetic compiled (ce_chunk.py; None: on CUDA only).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -110,4 +120,4 @@ def linear_ce_topk(
         raise ValueError(f"keep_logits_bytes must be >= 0; got {keep_logits_bytes}")
     if check_targets and targets.numel() and bool(((targets < 0) | (targets >= vocab)).any()):
         raise ValueError(f"targets must be in [0, {vocab})")
-    return _LinearCETopK.apply(hidden, weight, targets, int(top_k), int(chunk_size), int(keep_logits_bytes))
+    return _LinearCETopK.apply(hidden, weight, targets, int(top_k), int(chunk_size), int(keep_logits_bytes), fused)
