@@ -9,6 +9,19 @@ the local attention's backward then runs before `_Start`'s backward, which waits
 
 K and V travel fused in one buffer; every rank's segment is padded to the largest shard (`width`). Byte
 counts are what a rank sends on a ring: (P-1) segments per all-gather and per reduce-scatter.
+
+Two buffer layouts, by what the caller does with the gathered rows:
+
+    "tokens"  [world * width, 2, B, Hk, D]   wait() gives K and V over all segments as strided views (the
+                                             overlap schedule attends to them in place; regather re-creates
+                                             exactly those views)
+    "heads"   [world * 2, B, Hk, width, D]   concat() copies [local ++ the other ranks' segments] into one
+                                             K and one V (the fused schedule): every segment is a contiguous
+                                             [B, Hk, width, D] block, so the copies are plain block copies,
+                                             and backward writes the segments' gradients straight into the
+                                             buffer's layout for the reduce-scatter (no zero-filled
+                                             full-size gradients, no permuted copies; measured 25 ms of a
+                                             200 ms layer at 512K on H200 in the strided layout)
 """
 
 from __future__ import annotations
@@ -22,7 +35,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["COMM_STATS", "CommStats", "GatherHandle", "KVGather", "all_gather_rows"]
+__all__ = ["COMM_STATS", "CommStats", "GATHER_LAYOUTS", "GatherHandle", "KVGather", "all_gather_rows"]
+
+GATHER_LAYOUTS = ("tokens", "heads")
 
 
 @dataclass
@@ -100,22 +115,69 @@ class _Wait(torch.autograd.Function):
         return grad, None
 
 
+class _ConcatOthers(torch.autograd.Function):
+    """[local K ++ the other ranks' segments] (and V) from a "heads" buffer; backward puts the segments'
+    gradients in the buffer's layout, the own segment zero (its rows are the local ones)."""
+
+    @staticmethod
+    def forward(ctx, k, v, gathered, world: int, own: int):
+        seg = gathered.view(world, 2, *gathered.shape[1:])  # [world, 2, B, Hk, width, D]
+        local, width = k.shape[2], seg.shape[4]
+        total = local + (world - 1) * width
+        k_cat = k.new_empty(k.shape[:2] + (total,) + k.shape[3:])
+        v_cat = v.new_empty(v.shape[:2] + (total,) + v.shape[3:])
+        k_cat[:, :, :local], v_cat[:, :, :local] = k, v
+        for i, r in enumerate(r for r in range(world) if r != own):
+            lo = local + i * width
+            k_cat[:, :, lo : lo + width], v_cat[:, :, lo : lo + width] = seg[r, 0], seg[r, 1]
+        ctx.world, ctx.own, ctx.local, ctx.shape = world, own, local, gathered.shape
+        return k_cat, v_cat
+
+    @staticmethod
+    def backward(ctx, dk_cat, dv_cat):
+        world, own, local = ctx.world, ctx.own, ctx.local
+        ref = dk_cat if dk_cat is not None else dv_cat
+        grads = [g if g is not None else torch.zeros_like(ref) for g in (dk_cat, dv_cat)]
+        d_gathered = ref.new_empty(ctx.shape)
+        seg = d_gathered.view(world, 2, *ctx.shape[1:])
+        width = seg.shape[4]
+        seg[own].zero_()
+        for i, r in enumerate(r for r in range(world) if r != own):
+            lo = local + i * width
+            seg[r, 0], seg[r, 1] = grads[0][:, :, lo : lo + width], grads[1][:, :, lo : lo + width]
+        return grads[0][:, :, :local], grads[1][:, :, :local], d_gathered, None, None
+
+
 class GatherHandle:
     """One in-flight gather: `wait()` returns the gathered K and V; `regather_saved()` optionally frees them
     after forward (backward gathers them again from the small local shard, once per call)."""
 
-    def __init__(self, gathered: torch.Tensor, shard: torch.Tensor, pending: _Pending):
+    def __init__(self, gathered: torch.Tensor, shard: torch.Tensor, pending: _Pending, layout: str = "tokens"):
+        self.layout = layout
         self._gathered: torch.Tensor | None = gathered
         self._shard, self._pending = shard, pending
         self._storage = None
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
         assert self._gathered is not None, "GatherHandle.wait() called twice"
+        if self.layout != "tokens":
+            raise ValueError(f"wait() needs layout 'tokens' (views over all segments); got {self.layout!r}: use concat()")
         kv = _Wait.apply(self._gathered, self._pending)  # [world * width, 2, B, Hk, D], rank-major
         self.buffer = weakref.ref(self._gathered)  # lets a caller see whether backward still holds it
         self._gathered = None  # the handle must not keep the big buffer alive
         self._storage = kv.untyped_storage().data_ptr()
         return kv[:, 0].permute(1, 2, 0, 3), kv[:, 1].permute(1, 2, 0, 3)
+
+    def concat(self, k: torch.Tensor, v: torch.Tensor, own: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait, then K and V over [k ++ every segment but `own`] ("heads" layout only). The gathered buffer
+        is not saved for backward (only its shape is)."""
+        assert self._gathered is not None, "GatherHandle.concat() called after wait() or concat()"
+        if self.layout != "heads":
+            raise ValueError(f"concat() needs layout 'heads'; got {self.layout!r}")
+        kv = _Wait.apply(self._gathered, self._pending)  # [world * 2, B, Hk, width, D], rank-major
+        self.buffer = weakref.ref(self._gathered)
+        self._gathered = None
+        return _ConcatOthers.apply(k, v, kv, self._pending.world, own)
 
     def _gather_again(self) -> torch.Tensor:
         p, shard = self._pending, self._shard
@@ -172,20 +234,29 @@ class KVGather:
     once, ahead of the step): an index elsewhere costs a host-to-device copy per call.
     """
 
-    def __init__(self, group=None, *, stats: CommStats = COMM_STATS, communicate: bool = True):
+    def __init__(
+        self, group=None, *, stats: CommStats = COMM_STATS, communicate: bool = True, layout: str = "tokens"
+    ):
+        if layout not in GATHER_LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(GATHER_LAYOUTS)}; got {layout!r}")
         self.group = group
         self.world = dist.get_world_size(group)
-        self.stats, self.communicate = stats, communicate
+        self.stats, self.communicate, self.layout = stats, communicate, layout
 
-    def start(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, width: int) -> GatherHandle:
-        if rows.device != k.device:  # one copy for K and V (a caller that staged its rows makes none)
-            rows = rows.to(k.device)
-        # [n, 2, B, Hk, D]: token-major so the gathered buffer is rank-major along tokens.
-        kv = torch.stack([k.index_select(2, rows), v.index_select(2, rows)], dim=0)
-        shard = kv.permute(3, 0, 1, 2, 4)
-        n = shard.shape[0]
+    def start(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | slice, width: int) -> GatherHandle:
+        """`rows`: the local rows to share - an index, or a slice when they are a run (no index kernels)."""
+        if isinstance(rows, slice):
+            kv = torch.stack([k[:, :, rows], v[:, :, rows]], dim=0)  # [2, B, Hk, n, D]
+        else:
+            if rows.device != k.device:  # one copy for K and V (a caller that staged its rows makes none)
+                rows = rows.to(k.device)
+            kv = torch.stack([k.index_select(2, rows), v.index_select(2, rows)], dim=0)
+        n = kv.shape[3]
         if n < width:
-            shard = torch.cat([shard, shard.new_zeros((width - n,) + tuple(shard.shape[1:]))])
-        shard = shard.contiguous()
+            kv = torch.cat([kv, kv.new_zeros(kv.shape[:3] + (width - n,) + kv.shape[4:])], dim=3)
+        if self.layout == "heads":  # [2, B, Hk, width, D]: the buffer is rank-major, segments head-major
+            shard = kv
+        else:  # [width, 2, B, Hk, D]: token-major so the gathered buffer is rank-major along tokens
+            shard = kv.permute(3, 0, 1, 2, 4).contiguous()
         pending = _Pending(self.group, self.world, self.stats, self.communicate)
-        return GatherHandle(_Start.apply(shard, pending), shard.detach(), pending)
+        return GatherHandle(_Start.apply(shard, pending), shard.detach(), pending, self.layout)

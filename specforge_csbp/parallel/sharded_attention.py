@@ -87,8 +87,19 @@ class ShardedAttention:
         self.seam = dict(backend=backend, pack_gqa=pack_gqa)  # GQA head packing: None = the seam decides
         rule = dict(clean_within_block=clean_within_block, window=window, noisy_causal=noisy_causal)
         self.local = Visibility(plan.q_tokens, plan.kv_tokens, block_size, **rule)
-        self._gather = KVGather(group, stats=stats, communicate=communicate) if plan.communicates else None
+        layout = "heads" if schedule == "fused" else "tokens"  # collectives.py: what each schedule reads
+        self._gather = (
+            KVGather(group, stats=stats, communicate=communicate, layout=layout) if plan.communicates else None
+        )
         self._shared_on: dict[torch.device, torch.Tensor] = {}  # plan.shared per device (`shared_rows`)
+        # shared rows that are the first rows in order (full layers share every context row) are a slice:
+        # no index to stage, no index_select forward or index_add backward
+        shared = plan.shared
+        self._shared_run = (
+            slice(0, len(shared))
+            if plan.communicates and bool(torch.equal(shared.cpu(), torch.arange(len(shared))))
+            else None
+        )
         if plan.communicates and schedule == "fused":  # one call over [local ++ the other ranks' segments]
             # the own segment of the gathered buffer is all PAD, so the kernel never gets it: 1/P fewer key
             # rows to copy, mask and write zero gradients for
@@ -114,8 +125,11 @@ class ShardedAttention:
         if self._gather is not None:
             self.shared_rows(device)
 
-    def shared_rows(self, device: torch.device | str) -> torch.Tensor:
-        """The plan's shared rows on `device`: staged by `prepare`, else copied at the first call (once)."""
+    def shared_rows(self, device: torch.device | str) -> torch.Tensor | slice:
+        """The plan's shared rows on `device`: staged by `prepare`, else copied at the first call (once); a
+        slice when they are the first rows in order."""
+        if self._shared_run is not None:
+            return self._shared_run
         device = device_key(device)
         rows = self._shared_on.get(device)
         if rows is None:
@@ -130,12 +144,10 @@ class ShardedAttention:
         rows = self.shared_rows(k.device)
         handle = self.last_gather = self._gather.start(k, v, rows, self.plan.gather_len)
         if self.schedule == "fused":
-            k_all, v_all = handle.wait()
-            # the cat copies, so the gathered buffer itself is not saved for backward (the concatenation is);
-            # the own segment is left out (its gradient, zero, reaches the reduce-scatter through the slices)
-            lo, hi = self.plan.own_segment.start, self.plan.own_segment.stop
-            k_cat = torch.cat([k, k_all[:, :, :lo], k_all[:, :, hi:]], dim=2)
-            v_cat = torch.cat([v, v_all[:, :, :lo], v_all[:, :, hi:]], dim=2)
+            # [local ++ the other ranks' segments] copied into one K and one V, so the gathered buffer itself
+            # is not saved for backward (the concatenation is); the own segment (all PAD) is left out and its
+            # gradient is zero
+            k_cat, v_cat = handle.concat(k, v, self.plan.rank)
             return partial_attention(q, k_cat, v_cat, self.fused, scale=scale, **self.seam)
         out, lse = partial_attention(q, k, v, self.local, scale=scale, **self.seam)
         k_all, v_all = handle.wait()
