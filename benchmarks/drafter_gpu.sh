@@ -43,5 +43,29 @@ case "${1:-1}" in
   stage 150 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 512K --anchors 512 --profile --out "$R"
   stage 130 torchrun --nproc-per-node 2 $B --shape a --modes dp,cp,csbp --contexts 128K --anchors 512 --out "$R"
   ;;
+5)
+  # Session 6: where one GPU's step goes (the 1.3x-over-SpecForge target at 64K): components and a profile of
+  # ours on DFlash (conv and selector off, as in the SpecForge comparison) with kept logits.
+  stage 120 env CUDA_VISIBLE_DEVICES=0 python3 $B --shape a --no-dflash2 --modes csbp --contexts 64K --anchors 512 \
+    --keep-logits-gib 6 --profile --out "$R"
+  ;;
+6)
+  # Session 6 changes: FlexAttention told when lengths are multiples of 128 (IS_DIVISIBLE: the dynamic-shape
+  # kernels every mode got were 22% slower, benchmarks/flex_layer_bench.py) and the per-chunk CE arithmetic
+  # compiled (objectives/ce_chunk.py). The issue-4 points again, CP first; then one GPU, ours first.
+  stage 120 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 512K --anchors 512 --out "$R"
+  stage 100 torchrun --nproc-per-node 2 $B --shape a --modes dp,cp,csbp --contexts 128K --anchors 512 --out "$R"
+  stage 130 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 1M --anchors 512 --out "$R"
+  stage 120 env CUDA_VISIBLE_DEVICES=0 python3 $B --shape a --no-dflash2 --modes csbp,specforge --contexts 64K,128K \
+    --anchors 512 --no-components --keep-logits-gib 6 --out "$R"
+  ;;
+7)
+  # Session 6, after part 6: CSBP's fused call gathers into a head-major buffer and concatenates with plain
+  # block copies (collectives.py "heads"; the strided copies and zero-filled gradients were 25 ms of a
+  # 200 ms full layer at 512K, benchmarks/flex_layer_bench.py +executor).
+  stage 110 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 512K --anchors 512 --out "$R"
+  stage 80 torchrun --nproc-per-node 2 $B --shape a --modes dp,cp,csbp --contexts 128K --anchors 512 --out "$R"
+  stage 120 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 1M --anchors 512 --out "$R"
+  ;;
 esac
 echo "== $(date -u +%T) done"
