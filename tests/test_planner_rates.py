@@ -22,6 +22,7 @@ from specforge_csbp.planner.validate import record_options
 
 BASE = PROFILE
 NEW_FIELDS = ("layer_tflops", "loss_tflops", "loss_topk_tflops", "adamw_gbps")
+MEASURED = NEW_FIELDS + ("loss_top1_tflops",)  # what calibration measures now (top-1 since session 6)
 
 
 def _cases():
@@ -44,7 +45,7 @@ def test_cpu_measurement_counts_flops_as_the_cost_model_does(monkeypatch):
     monkeypatch.setattr(rates, "timed", one_second)
     z = rates.WORK_SIZES["cpu"]
     got = rates.measure_work_rates(torch.device("cpu"))
-    assert ran == ["step", "trainable_head", "frozen_head_topk", "step"]
+    assert ran == ["step", "trainable_head", "frozen_head_topk", "frozen_head_top1", "step"]
     shape = ModelShape(name="calib", hidden=z["hidden"], intermediate=z["intermediate"], layers=1,
                        heads=z["heads"], kv_heads=z["kv_heads"], head_dim=z["head_dim"], vocab=z["vocab"],
                        tied_embeddings=True, windows=(None,))  # fmt: skip
@@ -55,6 +56,7 @@ def test_cpu_measurement_counts_flops_as_the_cost_model_does(monkeypatch):
     assert got["layer_tflops"] == pytest.approx(rows * shape.layer_gemm_flops_per_row() * 3 / 1e12, rel=1e-12)
     assert got["loss_tflops"] == pytest.approx(pass_flops * 4 / 1e12, rel=1e-12)
     assert got["loss_topk_tflops"] == pytest.approx(pass_flops * 3 / 1e12, rel=1e-12)
+    assert got["loss_top1_tflops"] == pytest.approx(pass_flops * 3 / 1e12, rel=1e-12)
     parts = 4 * (z["adamw_params"] // 4)
     assert got["adamw_gbps"] == pytest.approx(parts * rates.ADAMW_BYTES_PER_PARAM / 1e9, rel=1e-12)
 
@@ -65,7 +67,7 @@ def test_cpu_measurement_is_real_and_fast():
     t = time.perf_counter()
     got = rates.measure_work_rates(torch.device("cpu"))
     elapsed = time.perf_counter() - t
-    assert set(got) == set(NEW_FIELDS)
+    assert set(got) == set(MEASURED)
     assert all(math.isfinite(v) and v > 0 for v in got.values())
     assert elapsed < 30  # toy sizes: ~1-3 s on 2 cores (generous bound for a loaded machine)
     MachineProfile(**{**BASE.model_dump(), **got})  # valid profile fields
@@ -95,7 +97,23 @@ def test_rates_are_used_when_present():
     assert only.loss_rate_tflops(True) == 0.125 == only.loss_rate_tflops(False)
     topk = BASE.model_copy(update={"loss_topk_tflops": 0.1})
     assert topk.loss_rate_tflops(False) == 0.1 == topk.loss_rate_tflops(True)
+    assert topk.loss_rate_tflops(True, top1=True) == 0.1  # no top-1 rate (profiles before session 6): top-k's
     assert BASE.loss_rate_tflops(frozen_head_topk=True) == BASE.token_tflops == BASE.gemm_tflops
+
+
+def test_top1_rate_charges_drafters_without_a_selector_only():
+    """DFlash (no selector) takes linear_ce_topk's top-1 path, DFlash2 with a selector the top-k path: the
+    planner charges each at its own measured rate."""
+    prof = BASE.model_copy(update={"loss_topk_tflops": 0.1, "loss_top1_tflops": 0.4})
+    dr = load_shape(DRAFTER)
+    plain, with_selector = dr.without_dflash2(), replace(dr, selector_rank=8, selector_top_k=4)
+    assert plain.selector_top_k == 0 and with_selector.selector_top_k == 4
+    opt, lay = Options(anchors=64), Layout(1, 2, "csbp")
+    for shape, rate in ((plain, 0.4), (with_selector, 0.1)):
+        base = predict(shape, "drafter", 16384, lay, BASE, 1e9, opt).breakdown_ms["loss"]
+        got = predict(shape, "drafter", 16384, lay, prof, 1e9, opt).breakdown_ms["loss"]
+        assert got == pytest.approx(base * BASE.gemm_tflops / rate, rel=1e-12)
+    assert prof.loss_rate_tflops(False, top1=True) == prof.loss_rate_tflops(False)  # the BDLM's loss: no top-1
 
 
 def test_profiles_without_the_rates_predict_as_before():

@@ -21,7 +21,8 @@ rates to attn_tflops - so older profiles predict as before):
                     rates.BDLMLayerSpec.key), else layer_tflops
     attention rate  attn_tflops (BDLM); drafter layers: attn_window_tflops (draft blocks over a sliding
                     window) / attn_draft_tflops (over the whole context), each falling back to attn_tflops
-    loss rate       loss_tflops (trainable head: BDLM) / loss_topk_tflops (frozen head + top-k: drafter)
+    loss rate       loss_tflops (trainable head: BDLM) / loss_topk_tflops (frozen head + top-k: drafter) /
+                    loss_top1_tflops (frozen head, no selector: DFlash drafter)
     optimizer       trainable params x 28 bytes / adamw_gbps (Options.optimizer_step; none without a rate)
 
 Communication per layer (bytes / measured bandwidth; ring: a rank sends (P-1) segments):
@@ -167,7 +168,8 @@ def _drafter(shape, context, layout, profile, opt) -> Prediction:
     e = profile.elem_bytes
     gemm = profile.token_tflops * 1e12
     attn = {w: profile.drafter_attn_tflops(w) * 1e12 for w in windows}  # per layer's window (None = full)
-    loss_rate = profile.loss_rate_tflops(frozen_head_topk=True) * 1e12
+    # a drafter without a selector takes the top-1 path (objectives/ce_chunk.py), with one the top-k path
+    loss_rate = profile.loss_rate_tflops(frozen_head_topk=True, top1=not shape.selector_top_k) * 1e12
     fpp = shape.attention_flops_per_pair()
     kv_row = 2 * shape.kv_heads * shape.head_dim * e
     ranks = len(next(iter(per_window.values())))

@@ -8,6 +8,8 @@
     layer_tflops         GEMM FLOPs / time of a whole eager decoder layer, forward + backward (rates.py)
     loss_tflops          FLOPs / time of the chunked linear CE with a trainable LM head (BDLM loss)
     loss_topk_tflops     the same for linear_ce_topk with a frozen head and top-k logits (drafter loss)
+    loss_top1_tflops     the same with top-1 and no selector (DFlash drafter loss; profiles before session 6
+                         lack it and use loss_topk_tflops)
     adamw_gbps           bytes / time of one fused AdamW step (28 bytes per fp32 parameter)
     attn_window_tflops   useful attention FLOP/s of DFlash draft blocks over a sliding window (rates.py)
     attn_draft_tflops    the same for draft blocks over the whole context (full-attention drafter layers)
@@ -65,6 +67,7 @@ class MachineProfile(BaseModel):
     layer_tflops: float | None = Field(default=None, gt=0, description="whole decoder layer, fwd + bwd")
     loss_tflops: float | None = Field(default=None, gt=0, description="linear CE, trainable head")
     loss_topk_tflops: float | None = Field(default=None, gt=0, description="linear CE + top-k, frozen head")
+    loss_top1_tflops: float | None = Field(default=None, gt=0, description="linear CE + top-1, frozen head")
     adamw_gbps: float | None = Field(default=None, gt=0, description="fused AdamW step, 28 B per parameter")
     attn_window_tflops: float | None = Field(default=None, gt=0, description="draft blocks, sliding window")
     attn_draft_tflops: float | None = Field(default=None, gt=0, description="draft blocks, whole context")
@@ -101,10 +104,13 @@ class MachineProfile(BaseModel):
             return self.bdlm_layer_tflops
         return self.token_tflops
 
-    def loss_rate_tflops(self, frozen_head_topk: bool) -> float:
-        """Rate of the vocabulary loss: the drafter's (frozen head + top-k) or the BDLM's (trainable head);
-        falls back to the other loss rate, then to the GEMM rate."""
+    def loss_rate_tflops(self, frozen_head_topk: bool, top1: bool = False) -> float:
+        """Rate of the vocabulary loss: the drafter's (frozen head + top-k, or `top1`: DFlash without a
+        selector) or the BDLM's (trainable head); falls back to the top-k rate, the other loss rate, then
+        the GEMM rate."""
         topk, full = self.loss_topk_tflops, self.loss_tflops
+        if frozen_head_topk and top1 and self.loss_top1_tflops is not None:
+            return self.loss_top1_tflops
         return (topk or full if frozen_head_topk else full or topk) or self.gemm_tflops
 
     def drafter_attn_tflops(self, window: int | None) -> float:
@@ -138,7 +144,8 @@ class MachineProfile(BaseModel):
         if self.layer_tflops is not None:
             work += f", decoder layer {g(self.layer_tflops)} TFLOP/s"
         if self.loss_tflops is not None or self.loss_topk_tflops is not None:
-            work += f", loss {g(self.loss_tflops)} / top-k {g(self.loss_topk_tflops)} TFLOP/s"
+            top1 = f" / top-1 {g(self.loss_top1_tflops)}" if self.loss_top1_tflops is not None else ""
+            work += f", loss {g(self.loss_tflops)} / top-k {g(self.loss_topk_tflops)}{top1} TFLOP/s"
         if self.adamw_gbps is not None:
             work += f", AdamW {g(self.adamw_gbps)} GB/s"
         if self.attn_window_tflops is not None or self.attn_draft_tflops is not None:

@@ -14,6 +14,8 @@ and divide the FLOPs the cost model charges for it (cost.py), so a rate is "usef
                       loss): FLOPs = rows x 2 h V x 4   (forward, recompute, dH, dW)
     loss_topk_tflops  objectives/linear_ce_topk.py `linear_ce_topk` with a frozen LM head and the top-k
                       logits carrying gradient (the DFlash2 drafter's loss): rows x 2 h V x 3
+    loss_top1_tflops  the same with top-1 and no selector gradient (the DFlash drafter's loss, a cheaper
+                      per-chunk path since session 6: objectives/ce_chunk.py): rows x 2 h V x 3
     adamw_gbps        one fused AdamW step over fp32 parameters (GPU; foreach on CPU):
                       ADAMW_BYTES_PER_PARAM = 28 bytes per parameter (read weight, grad, two moments;
                       write weight, two moments) / time
@@ -167,7 +169,7 @@ def _layer_tflops(device: torch.device, z: dict) -> float:
     return rows * 2 * weights * 3 / timed(step, device, z["reps"]) / 1e12
 
 
-def _loss_tflops(device: torch.device, z: dict) -> tuple[float, float]:
+def _loss_tflops(device: torch.device, z: dict) -> tuple[float, float, float]:
     from ..objectives.linear_ce import linear_cross_entropy
     from ..objectives.linear_ce_topk import linear_ce_topk
 
@@ -187,10 +189,16 @@ def _loss_tflops(device: torch.device, z: dict) -> tuple[float, float]:
         nll, top_v, _ = linear_ce_topk(hidden, frozen, targets, top_k=z["top_k"], chunk_size=z["topk_chunk"])
         (nll.sum() + top_v.sum()).backward()
 
+    def frozen_head_top1():  # DFlash drafter: no selector - per-row CE, the top-1 only counts accuracy
+        hidden.grad = None
+        nll, _, _ = linear_ce_topk(hidden, frozen, targets, top_k=1, chunk_size=z["topk_chunk"])
+        nll.sum().backward()
+
     pass_flops = n * 2 * h * V
     loss = pass_flops * 4 / timed(trainable_head, device, z["reps"]) / 1e12
     loss_topk = pass_flops * 3 / timed(frozen_head_topk, device, z["reps"]) / 1e12
-    return loss, loss_topk
+    loss_top1 = pass_flops * 3 / timed(frozen_head_top1, device, z["reps"]) / 1e12
+    return loss, loss_topk, loss_top1
 
 
 def _adamw_gbps(device: torch.device, z: dict) -> float:
@@ -205,18 +213,21 @@ def _adamw_gbps(device: torch.device, z: dict) -> float:
 
 
 def measure_work_rates(device: torch.device) -> dict[str, float]:
-    """layer_tflops, loss_tflops, loss_topk_tflops, adamw_gbps of this device (module docstring)."""
+    """layer_tflops, loss_tflops, loss_topk_tflops, loss_top1_tflops, adamw_gbps of this device (module
+    docstring)."""
     z = WORK_SIZES["cuda" if device.type == "cuda" else "cpu"]
     precision = torch.get_float32_matmul_precision()
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # as training sets it (trainer.py, bdlm_bench.py)
     try:
         layer = _layer_tflops(device, z)
-        loss, loss_topk = _loss_tflops(device, z)
+        loss, loss_topk, loss_top1 = _loss_tflops(device, z)
         adamw = _adamw_gbps(device, z)
     finally:
         torch.set_float32_matmul_precision(precision)
-    return dict(layer_tflops=layer, loss_tflops=loss, loss_topk_tflops=loss_topk, adamw_gbps=adamw)
+    return dict(
+        layer_tflops=layer, loss_tflops=loss, loss_topk_tflops=loss_topk, loss_top1_tflops=loss_top1, adamw_gbps=adamw
+    )
 
 
 # -- drafter attention ----------------------------------------------------------------------------
