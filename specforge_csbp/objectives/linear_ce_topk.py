@@ -5,9 +5,9 @@ so weights that depend on them (D-PACE) and the selector's candidate logits can 
 
     forward, per chunk:   z = h W^T  ->  nll = lse(z) - z[y],   (top-k values, ids) of z
     backward, per chunk:  dz = d_nll * (softmax(z) - onehot(y))  +  scatter(d_topk at the top-k ids)
-
-The per-chunk arithmetic between the GEMMs is `ce_chunk.py` (compiled into one or two passes on CUDA).
                           dH = dz W,  dW += dz^T h   (dW only if W requires grad; a frozen LM head does not)
+
+The per-chunk arithmetic between the GEMMs is `ce_chunk.py` (compiled into one pass each way on CUDA).
 
 The top-k ids carry no gradient; the top-k values do (the selector's unary term flows into the drafter).
 

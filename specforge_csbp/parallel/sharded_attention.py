@@ -25,7 +25,8 @@ CP, BP and CSBP are this same code over different plans (layout/plans.py).
 Index staging: the plan's shared rows (which local K/V rows go into the all-gather) are copied to the device
 once per executor, by `prepare` (ahead of the step, on the prefetch worker's side stream) or at the first
 call, never per call: a layer runs it in forward and again in any recompute (`devices.stage_index`: pinned
-memory, non_blocking, so the host never waits for the GPU queue).
+memory, non_blocking, so the host never waits for the GPU queue). Rows that are a run of the first local rows
+(full layers share every context row) are a slice: nothing to stage, no index kernels.
 """
 
 from __future__ import annotations
