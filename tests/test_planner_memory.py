@@ -78,7 +78,7 @@ def test_attention_memory_model_matches_measured_cpu_peaks(tmp_path):
     ref = ("reference", 512, 16, 4, 2, 32, torch.float64, "fused")
     rows.append(("reference", 0, _measure(*ref, 0, 1), _predict(*ref, 0, 1)))
     errors = [(mode, rank, p / m - 1) for mode, rank, m, p in rows]
-    assert all(abs(err) <= TOLERANCE for _, _, err in errors), errors
+    assert all(abs(err) <= TOLERANCE for _, _, err in errors), [e for e in errors if abs(e[2]) > TOLERANCE]
     # the model ranks the modes' footprints like the measurements do (per rank 0, first shape)
     by_mode = {mode: (m, p) for mode, rank, m, p in rows[:3]}
     assert sorted(by_mode, key=lambda x: by_mode[x][0]) == sorted(by_mode, key=lambda x: by_mode[x][1])

@@ -10,18 +10,17 @@ the local attention's backward then runs before `_Start`'s backward, which waits
 K and V travel fused in one buffer; every rank's segment is padded to the largest shard (`width`). Byte
 counts are what a rank sends on a ring: (P-1) segments per all-gather and per reduce-scatter.
 
-Two buffer layouts, by what the caller does with the gathered rows:
+The buffer is rank-major with head-major segments, so every rank's K (and V) is one contiguous block:
 
-    "tokens"  [world * width, 2, B, Hk, D]   wait() gives K and V over all segments as strided views (the
-                                             overlap schedule attends to them in place; regather re-creates
-                                             exactly those views)
-    "heads"   [world * 2, B, Hk, width, D]   concat() copies [local ++ the other ranks' segments] into one
-                                             K and one V (the fused schedule): every segment is a contiguous
-                                             [B, Hk, width, D] block, so the copies are plain block copies,
-                                             and backward writes the segments' gradients straight into the
-                                             buffer's layout for the reduce-scatter (no zero-filled
-                                             full-size gradients, no permuted copies; measured 25 ms of a
-                                             200 ms layer at 512K on H200 in the strided layout)
+    gathered  [world * 2, B, Hk, width, D]  =  rank 0: K [B, Hk, width, D], V [...] | rank 1: K, V | ...
+
+    concat()    copies [local ++ the other ranks' segments] into one K and one V (the fused schedule) with
+                plain block copies; backward writes the segments' gradients straight into the buffer's
+                layout for the reduce-scatter. A token-major buffer ([world * width, 2, B, Hk, D]) needed
+                permuted copies and autograd's zero-filled full-size gradients for its strided views: 25 ms
+                of a 200 ms full layer at 512K on H200 (benchmarks/flex_layer_bench.py +executor).
+    segments()  every rank's (K, V) as views of the buffer (the overlap schedule attends to them in place;
+                regather re-creates exactly those views)
 """
 
 from __future__ import annotations
@@ -35,9 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["COMM_STATS", "CommStats", "GATHER_LAYOUTS", "GatherHandle", "KVGather", "all_gather_rows"]
-
-GATHER_LAYOUTS = ("tokens", "heads")
+__all__ = ["COMM_STATS", "CommStats", "GatherHandle", "KVGather", "all_gather_rows"]
 
 
 @dataclass
@@ -116,7 +113,7 @@ class _Wait(torch.autograd.Function):
 
 
 class _ConcatOthers(torch.autograd.Function):
-    """[local K ++ the other ranks' segments] (and V) from a "heads" buffer; backward puts the segments'
+    """[local K ++ the other ranks' segments] (and V) from the gathered buffer; backward puts the segments'
     gradients in the buffer's layout, the own segment zero (its rows are the local ones)."""
 
     @staticmethod
@@ -149,35 +146,35 @@ class _ConcatOthers(torch.autograd.Function):
 
 
 class GatherHandle:
-    """One in-flight gather: `wait()` returns the gathered K and V; `regather_saved()` optionally frees them
-    after forward (backward gathers them again from the small local shard, once per call)."""
+    """One in-flight gather: `concat()` or `segments()` wait for it and return the gathered K and V;
+    `regather_saved()` optionally frees them after forward (backward gathers them again from the small local
+    shard, once per call)."""
 
-    def __init__(self, gathered: torch.Tensor, shard: torch.Tensor, pending: _Pending, layout: str = "tokens"):
-        self.layout = layout
+    def __init__(self, gathered: torch.Tensor, shard: torch.Tensor, pending: _Pending):
         self._gathered: torch.Tensor | None = gathered
         self._shard, self._pending = shard, pending
         self._storage = None
 
-    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self._gathered is not None, "GatherHandle.wait() called twice"
-        if self.layout != "tokens":
-            raise ValueError(f"wait() needs layout 'tokens' (views over all segments); got {self.layout!r}: use concat()")
-        kv = _Wait.apply(self._gathered, self._pending)  # [world * width, 2, B, Hk, D], rank-major
+    def _wait(self) -> torch.Tensor:
+        assert self._gathered is not None, "a GatherHandle is waited for once (concat() or segments())"
+        kv = _Wait.apply(self._gathered, self._pending)  # [world * 2, B, Hk, width, D], rank-major
         self.buffer = weakref.ref(self._gathered)  # lets a caller see whether backward still holds it
         self._gathered = None  # the handle must not keep the big buffer alive
-        self._storage = kv.untyped_storage().data_ptr()
-        return kv[:, 0].permute(1, 2, 0, 3), kv[:, 1].permute(1, 2, 0, 3)
+        return kv
 
     def concat(self, k: torch.Tensor, v: torch.Tensor, own: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Wait, then K and V over [k ++ every segment but `own`] ("heads" layout only). The gathered buffer
-        is not saved for backward (only its shape is)."""
-        assert self._gathered is not None, "GatherHandle.concat() called after wait() or concat()"
-        if self.layout != "heads":
-            raise ValueError(f"concat() needs layout 'heads'; got {self.layout!r}")
-        kv = _Wait.apply(self._gathered, self._pending)  # [world * 2, B, Hk, width, D], rank-major
-        self.buffer = weakref.ref(self._gathered)
-        self._gathered = None
-        return _ConcatOthers.apply(k, v, kv, self._pending.world, own)
+        """Wait, then K and V over [k ++ every segment but `own`]. The gathered buffer is not saved for
+        backward (only its shape is)."""
+        return _ConcatOthers.apply(k, v, self._wait(), self._pending.world, own)
+
+    def segments(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Wait, then every rank's (K, V), each [B, Hk, width, D], as views of the gathered buffer."""
+        kv = self._wait()
+        self._storage = kv.untyped_storage().data_ptr()
+        # unbind, not indexing: its backward stacks the segments' gradients once (indexing would build a
+        # zero-filled gradient of the whole buffer per view)
+        ranks = kv.view(self._pending.world, 2, *kv.shape[1:]).unbind(0)
+        return [tuple(r.unbind(0)) for r in ranks]
 
     def _gather_again(self) -> torch.Tensor:
         p, shard = self._pending, self._shard
@@ -228,20 +225,16 @@ def all_gather_rows(
 class KVGather:
     """Gathers the shared rows of local K and V from every rank of `group`.
 
-    `start(k, v, rows, width)` launches the collective and returns a `GatherHandle` at once; its `wait()`
-    returns the gathered K and V as [B, Hk, world * width, D] views, rank-major (segment r = rank r's rows,
-    padded to `width`). `rows` should already be on k's device (ShardedAttention stages its plan's rows
-    once, ahead of the step): an index elsewhere costs a host-to-device copy per call.
+    `start(k, v, rows, width)` launches the collective and returns a `GatherHandle` at once; its `concat()`
+    or `segments()` wait and return the gathered K and V (segment r = rank r's rows, padded to `width`).
+    `rows` should already be on k's device (ShardedAttention stages its plan's rows once, ahead of the
+    step): an index elsewhere costs a host-to-device copy per call.
     """
 
-    def __init__(
-        self, group=None, *, stats: CommStats = COMM_STATS, communicate: bool = True, layout: str = "tokens"
-    ):
-        if layout not in GATHER_LAYOUTS:
-            raise ValueError(f"layout must be one of {', '.join(GATHER_LAYOUTS)}; got {layout!r}")
+    def __init__(self, group=None, *, stats: CommStats = COMM_STATS, communicate: bool = True):
         self.group = group
         self.world = dist.get_world_size(group)
-        self.stats, self.communicate, self.layout = stats, communicate, layout
+        self.stats, self.communicate = stats, communicate
 
     def start(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | slice, width: int) -> GatherHandle:
         """`rows`: the local rows to share - an index, or a slice when they are a run (no index kernels)."""
@@ -254,9 +247,6 @@ class KVGather:
         n = kv.shape[3]
         if n < width:
             kv = torch.cat([kv, kv.new_zeros(kv.shape[:3] + (width - n,) + kv.shape[4:])], dim=3)
-        if self.layout == "heads":  # [2, B, Hk, width, D]: the buffer is rank-major, segments head-major
-            shard = kv
-        else:  # [width, 2, B, Hk, D]: token-major so the gathered buffer is rank-major along tokens
-            shard = kv.permute(3, 0, 1, 2, 4).contiguous()
+        shard = kv  # [2, B, Hk, width, D]: this rank's segment of the buffer
         pending = _Pending(self.group, self.world, self.stats, self.communicate)
-        return GatherHandle(_Start.apply(shard, pending), shard.detach(), pending, self.layout)
+        return GatherHandle(_Start.apply(shard, pending), shard.detach(), pending)

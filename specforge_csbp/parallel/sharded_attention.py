@@ -11,16 +11,18 @@ schedule "fused" (default):
 schedule "overlap":
 
     q_local ──► seam(q, local K/V)  ──────────────┐   (overlaps the all-gather)
-    shared K/V rows ──► all-gather (async) ──► seam(q, gathered K/V, own segment hidden) ──► LSE merge
+    shared K/V rows ──► all-gather (async) ──► seam(q, segment r) for every other rank r ──► LSE merges
 
-    hides the all-gather behind the local call (for slow links) at the price of two kernels and a merge.
-    It is the only schedule that can `regather` (free the gathered K/V after forward, gather again in
-    backward): the fused call saves the concatenation. schedule=None picks "fused", or "overlap" when
-    regather is asked for.
+    hides the all-gather behind the local call (for slow links) at the price of P kernels and P - 1 merges;
+    each remote call reads one rank's segment of the gathered buffer in place (no concatenation). It is the
+    only schedule that can `regather` (free the gathered K/V after forward, gather again in backward): the
+    fused call saves the concatenation. schedule=None picks "fused", or "overlap" when regather is asked
+    for. (The 243-247 above were measured when the remote call ran over the whole buffer, own segment
+    included as PAD, in a strided layout; the per-segment form is not yet measured on GPU.)
 
-The local call sees every key this rank holds; the remote call sees the other ranks' shared keys (this
-rank's own segment of the gathered buffer is PAD in the plan, so nothing is counted twice). Reference,
-CP, BP and CSBP are this same code over different plans (layout/plans.py).
+The local call sees every key this rank holds; the remote calls see the other ranks' shared keys (this
+rank's own segment is never attended to: its rows are the local ones). Reference, CP, BP and CSBP are this
+same code over different plans (layout/plans.py).
 
 Index staging: the plan's shared rows (which local K/V rows go into the all-gather) are copied to the device
 once per executor, by `prepare` (ahead of the step, on the prefetch worker's side stream) or at the first
@@ -88,10 +90,7 @@ class ShardedAttention:
         self.seam = dict(backend=backend, pack_gqa=pack_gqa)  # GQA head packing: None = the seam decides
         rule = dict(clean_within_block=clean_within_block, window=window, noisy_causal=noisy_causal)
         self.local = Visibility(plan.q_tokens, plan.kv_tokens, block_size, **rule)
-        layout = "heads" if schedule == "fused" else "tokens"  # collectives.py: what each schedule reads
-        self._gather = (
-            KVGather(group, stats=stats, communicate=communicate, layout=layout) if plan.communicates else None
-        )
+        self._gather = KVGather(group, stats=stats, communicate=communicate) if plan.communicates else None
         self._shared_on: dict[torch.device, torch.Tensor] = {}  # plan.shared per device (`shared_rows`)
         # shared rows that are the first rows in order (full layers share every context row) are a slice:
         # no index to stage, no index_select forward or index_add backward
@@ -107,15 +106,20 @@ class ShardedAttention:
             self.fused = Visibility(
                 plan.q_tokens, TokenSet.cat([plan.kv_tokens, plan.other_kv_tokens]), block_size, **rule
             )
-        elif plan.communicates:  # a second call over the gathered keys, merged with the local one
-            self.remote = Visibility(plan.q_tokens, plan.remote_kv_tokens, block_size, **rule)
+        elif plan.communicates:  # one call per other rank's segment of the gathered keys, merged with the local one
+            width, own = plan.gather_len, plan.rank
+            self.remote = {
+                r: Visibility(plan.q_tokens, plan.remote_kv_tokens.select(torch.arange(r * width, (r + 1) * width)),
+                              block_size, **rule)
+                for r in range(plan.world_size) if r != own
+            }  # fmt: skip
 
     @property
     def visibilities(self) -> tuple[Visibility, ...]:
         """The visibilities this schedule's seam calls run with (fused never calls the local-only one)."""
         if self._gather is None:
             return (self.local,)
-        return (self.fused,) if self.schedule == "fused" else (self.local, self.remote)
+        return (self.fused,) if self.schedule == "fused" else (self.local, *self.remote.values())
 
     def prepare(self, device: torch.device | str, groups: int) -> None:
         """Build every mask the seam calls will need (tables, packing decision, block masks) and stage the
@@ -151,10 +155,12 @@ class ShardedAttention:
             k_cat, v_cat = handle.concat(k, v, self.plan.rank)
             return partial_attention(q, k_cat, v_cat, self.fused, scale=scale, **self.seam)
         out, lse = partial_attention(q, k, v, self.local, scale=scale, **self.seam)
-        k_all, v_all = handle.wait()
+        segments = handle.segments()  # views of the gathered buffer: attended to in place, no copy
         with handle.regather_saved() if self.regather else contextlib.nullcontext():
-            out_r, lse_r = partial_attention(q, k_all, v_all, self.remote, scale=scale, **self.seam)
-        return merge_partials(out, lse, out_r, lse_r)
+            for r, vis in self.remote.items():
+                out_r, lse_r = partial_attention(q, *segments[r], vis, scale=scale, **self.seam)
+                out, lse = merge_partials(out, lse, out_r, lse_r)
+        return out, lse
 
 
 def bdlm_attention(

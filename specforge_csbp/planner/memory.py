@@ -52,7 +52,7 @@ def attention_layer_peak_bytes(
 
     The maximum over the phases of `ShardedAttention`, each phase = what is alive across it + its own
     working set. Schedule "fused": the gathered K/V, their concatenation with the local K/V, one call.
-    Schedule "overlap": local call, remote call, LSE merge; backward in reverse.
+    Schedule "overlap": local call, one remote call per other rank's segment, LSE merges; backward in reverse.
     """
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {backend!r}")
@@ -83,11 +83,17 @@ def attention_layer_peak_bytes(
         fwd = mask + gathered + cat + scores(nk) + rep(nk)
         bwd = mask + cat + out + lse + out + scores(nk) + 2 * rep(nk)
         return max(fwd, bwd)
-    mask_r = nq * nk_r if dense else 0
+    # one remote call per other rank, over that rank's segment (gather_width rows), one after another; the
+    # merged partials of earlier calls stay saved for backward
+    w = stats.gather_width
+    calls = max(1, nk_r // w - 1) if w else 1
+    chain = (calls - 1) * (2 * out + 2 * lse)
+    mask_r = (calls * nq * w if dense else 0)  # every remote call's dense mask is cached on its visibility
     fwd_l = mask_l + gathered + scores(nk_l) + rep(nk_l)
-    fwd_r = mask_l + mask_r + gathered + out + lse + scores(nk_r) + rep(nk_r)
-    merge = mask_l + mask_r + gathered + 5 * out + 4 * lse  # out_a, out_b, merged, 2 grads
-    bwd_r = mask_l + mask_r + gathered + 4 * out + 2 * lse + scores(nk_r) + 2 * rep(nk_r)
+    fwd_r = mask_l + mask_r + gathered + chain + out + lse + scores(w) + rep(w)
+    merge = mask_l + mask_r + gathered + chain + 5 * out + 4 * lse  # out_a, out_b, merged, 2 grads
+    # + the gathered buffer's gradient, stacked from the segments' gradients (collectives.py segments())
+    bwd_r = mask_l + mask_r + 2 * gathered + chain + 4 * out + 2 * lse + scores(w) + 2 * rep(w)
     bwd_l = mask_l + gathered + 3 * out + 2 * lse + scores(nk_l) + 2 * rep(nk_l)  # + gathered-K/V grad
     return max(fwd_l, fwd_r, merge, bwd_r, bwd_l)
 
