@@ -67,5 +67,16 @@ case "${1:-1}" in
   stage 80 torchrun --nproc-per-node 2 $B --shape a --modes dp,cp,csbp --contexts 128K --anchors 512 --out "$R"
   stage 120 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 1M --anchors 512 --out "$R"
   ;;
+8)
+  # Next session, first (queue in benchmarks/README.md): the planner recalibrated for session 6's code (it now
+  # also measures the top-1 loss rate), what is left of the 1M full-layer gap in one layer's call, and the
+  # per-segment overlap schedule against fused at 1M (CSBP only: CP gathers no K/V).
+  stage 240 torchrun --nproc-per-node 2 -m specforge_csbp plan --calibrate --profile-out "$OUT/h200x2.json" \
+    --model drafter_configs/qwen3-8b-dflash2.json --context 1M --gpus 8 --gpu-mem 141 --workload drafter
+  stage 150 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/flex_layer_bench.py --shape a --context 1M --anchors 512 \
+    --variants cp:dynamic+divisible,cp:dynamic+divisible+rev,csbp:dynamic+divisible,csbp:dynamic+divisible+rev,csbp:dynamic+divisible+split
+  stage 150 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 1M --anchors 512 --out "$R"
+  stage 120 torchrun --nproc-per-node 2 $B --shape a --modes csbp --contexts 1M --anchors 512 --schedule overlap --out "$R"
+  ;;
 esac
 echo "== $(date -u +%T) done"
