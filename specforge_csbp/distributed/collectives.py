@@ -112,6 +112,11 @@ class _Wait(torch.autograd.Function):
         return grad, None
 
 
+def _other_slots(world: int, own: int, local: int, width: int) -> list[tuple[int, int]]:
+    """(rank, first row in the concatenation) of every other rank's segment: [local rows ++ r != own]."""
+    return [(r, local + i * width) for i, r in enumerate(r for r in range(world) if r != own)]
+
+
 class _ConcatOthers(torch.autograd.Function):
     """[local K ++ the other ranks' segments] (and V) from the gathered buffer; backward puts the segments'
     gradients in the buffer's layout, the own segment zero (its rows are the local ones)."""
@@ -124,8 +129,7 @@ class _ConcatOthers(torch.autograd.Function):
         k_cat = k.new_empty(k.shape[:2] + (total,) + k.shape[3:])
         v_cat = v.new_empty(v.shape[:2] + (total,) + v.shape[3:])
         k_cat[:, :, :local], v_cat[:, :, :local] = k, v
-        for i, r in enumerate(r for r in range(world) if r != own):
-            lo = local + i * width
+        for r, lo in _other_slots(world, own, local, width):
             k_cat[:, :, lo : lo + width], v_cat[:, :, lo : lo + width] = seg[r, 0], seg[r, 1]
         ctx.world, ctx.own, ctx.local, ctx.shape = world, own, local, gathered.shape
         return k_cat, v_cat
@@ -139,8 +143,7 @@ class _ConcatOthers(torch.autograd.Function):
         seg = d_gathered.view(world, 2, *ctx.shape[1:])
         width = seg.shape[4]
         seg[own].zero_()
-        for i, r in enumerate(r for r in range(world) if r != own):
-            lo = local + i * width
+        for r, lo in _other_slots(world, own, local, width):
             seg[r, 0], seg[r, 1] = grads[0][:, :, lo : lo + width], grads[1][:, :, lo : lo + width]
         return grads[0][:, :, :local], grads[1][:, :, :local], d_gathered, None, None
 

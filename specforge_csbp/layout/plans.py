@@ -61,12 +61,21 @@ class ShardPlan:
         """This rank's segment of the gathered buffer: all PAD in `remote_kv_tokens` (its rows are local)."""
         return slice(self.rank * self.gather_len, (self.rank + 1) * self.gather_len)
 
+    def segment_tokens(self, rank: int) -> TokenSet:
+        """Tokens of rank `rank`'s segment of the gathered buffer (all PAD for this rank's own)."""
+        width = self.gather_len
+        return self.remote_kv_tokens.select(torch.arange(rank * width, (rank + 1) * width))
+
     @property
     def other_kv_tokens(self) -> TokenSet:
         """`remote_kv_tokens` without the own segment: the gathered keys a single fused call needs."""
-        own = self.own_segment
-        keep = torch.cat([torch.arange(own.start), torch.arange(own.stop, len(self.remote_kv_tokens))])
-        return self.remote_kv_tokens.select(keep)
+        return TokenSet.cat([self.segment_tokens(r) for r in range(self.world_size) if r != self.rank])
+
+    @property
+    def shares_leading_rows(self) -> bool:
+        """The shared rows are the first local rows, in order (full layers share every context row): the
+        executor can take them as a slice."""
+        return bool(torch.equal(self.shared.cpu(), torch.arange(len(self.shared))))
 
 
 def build_plans(

@@ -94,12 +94,7 @@ class ShardedAttention:
         self._shared_on: dict[torch.device, torch.Tensor] = {}  # plan.shared per device (`shared_rows`)
         # shared rows that are the first rows in order (full layers share every context row) are a slice:
         # no index to stage, no index_select forward or index_add backward
-        shared = plan.shared
-        self._shared_run = (
-            slice(0, len(shared))
-            if plan.communicates and bool(torch.equal(shared.cpu(), torch.arange(len(shared))))
-            else None
-        )
+        self._shared_run = slice(0, len(plan.shared)) if plan.communicates and plan.shares_leading_rows else None
         if plan.communicates and schedule == "fused":  # one call over [local ++ the other ranks' segments]
             # the own segment of the gathered buffer is all PAD, so the kernel never gets it: 1/P fewer key
             # rows to copy, mask and write zero gradients for
@@ -107,11 +102,9 @@ class ShardedAttention:
                 plan.q_tokens, TokenSet.cat([plan.kv_tokens, plan.other_kv_tokens]), block_size, **rule
             )
         elif plan.communicates:  # one call per other rank's segment of the gathered keys, merged with the local one
-            width, own = plan.gather_len, plan.rank
             self.remote = {
-                r: Visibility(plan.q_tokens, plan.remote_kv_tokens.select(torch.arange(r * width, (r + 1) * width)),
-                              block_size, **rule)
-                for r in range(plan.world_size) if r != own
+                r: Visibility(plan.q_tokens, plan.segment_tokens(r), block_size, **rule)
+                for r in range(plan.world_size) if r != plan.rank
             }  # fmt: skip
 
     @property

@@ -85,10 +85,9 @@ def attention_layer_peak_bytes(
         return max(fwd, bwd)
     # one remote call per other rank, over that rank's segment (gather_width rows), one after another; the
     # merged partials of earlier calls stay saved for backward
-    w = stats.gather_width
-    calls = max(1, nk_r // w - 1) if w else 1
+    w, calls = stats.gather_width, stats.world - 1
     chain = (calls - 1) * (2 * out + 2 * lse)
-    mask_r = (calls * nq * w if dense else 0)  # every remote call's dense mask is cached on its visibility
+    mask_r = calls * nq * w if dense else 0  # every remote call's dense mask is cached on its visibility
     fwd_l = mask_l + gathered + scores(nk_l) + rep(nk_l)
     fwd_r = mask_l + mask_r + gathered + chain + out + lse + scores(w) + rep(w)
     merge = mask_l + mask_r + gathered + chain + 5 * out + 4 * lse  # out_a, out_b, merged, 2 grads
