@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from specforge_csbp.bench.isolation import fresh_point
+from specforge_csbp.bench.provenance import library_digest
 from specforge_csbp.distributed.collectives import COMM_STATS
 from specforge_csbp.distributed.launch import init_from_env, spawn
 from specforge_csbp.layout.plans import check_bdlm_shape
@@ -214,6 +215,7 @@ def run_point(
         block_size=args.block_size,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         date=datetime.date.today().isoformat(),
+        code=library_digest(),  # which library code ran (bench/provenance.py)
         command=command,
         launch=command,  # records of one launch are compared side by side (bench/compare.py)
         model=args.model_name,

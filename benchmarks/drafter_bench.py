@@ -48,7 +48,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from specforge_csbp.bench.isolation import fresh_point
+from specforge_csbp.attention import order
+from specforge_csbp.bench.isolation import compiled_graphs, fresh_point, warm_up
+from specforge_csbp.bench.provenance import library_digest
 from specforge_csbp.bench.records import BenchRecord, write_records
 from specforge_csbp.distributed.collectives import CommStats
 from specforge_csbp.models.dflash import (
@@ -109,7 +111,9 @@ def parse_args(argv=None):
     p.add_argument("--anchors", default="512,2048", help="anchors per sequence, comma separated")
     p.add_argument("--world-size", type=int, default=None, help="must equal the launch's world size if given")
     p.add_argument("--block-size", type=int, default=None, help="must equal the shape's block size if given")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps at least (then on until steady)")
+    p.add_argument("--max-warmup", type=int, default=8,
+                   help="untimed steps at most: warm-up runs on while a step compiles new graphs (bench/isolation.py)")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--components", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--bucket", type=int, default=4096, help="sliding-plan row padding (static kernel shapes)")
@@ -126,6 +130,10 @@ def parse_args(argv=None):
                    help="build the next step's attention masks in a worker thread on a side stream (prefetch.py)")
     p.add_argument("--pack-gqa", choices=["auto", "on", "off"], default="auto",
                    help="GQA head packing in the attention seam (auto: decided from the block masks)")
+    p.add_argument("--gather-ahead", action="store_true",
+                   help="CSBP: start each layer's context K/V gather one layer early (LayerAttention.gather_ahead)")
+    p.add_argument("--reverse-queries", action="store_true",
+                   help="run every attention kernel over its query rows last first (attention/order.py; every mode)")
     p.add_argument("--check-context", type=int, default=0,
                    help="first check our modes' GPU path against the dense seam at this context (float32; 0: off)")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
@@ -315,9 +323,7 @@ def step_health(env) -> dict[str, float]:
     """Counters of what can make a step slow without being its work: graphs compiled (torch.compile
     recompiling for new shapes) and, on CUDA, device allocations / frees and allocator retries (cudaMalloc
     and cudaFree synchronise). The record holds their increase over the timed steps."""
-    from torch._dynamo.utils import counters
-
-    out = {"compiled_graphs": float(counters["stats"]["unique_graphs"])}
+    out = {"compiled_graphs": float(compiled_graphs())}
     if env.device.type == "cuda":
         m = torch.cuda.memory_stats(env.device)
         for key in ("num_device_alloc", "num_device_free", "num_alloc_retries"):
@@ -454,14 +460,18 @@ def check_backends(args, env, modes) -> dict[str, float]:
     for mode in modes:
         objective, samples = make_samples(mode, L, N, config, model.fc.in_features, env, args.seed, torch.float32)
         out = {}
-        for backend in ("dense", env.backend):  # on CPU (--smoke) dense twice: the path runs, error 0
+        # the reference is the dense seam in row order, gathers in place; on CPU (--smoke) dense twice: the
+        # path runs, error 0 (or the rounding of --reverse-queries / --gather-ahead's other order)
+        for backend, options in (("dense", False), (env.backend, True)):
+            order.REVERSE_QUERIES = options and args.reverse_queries
             model.zero_grad(set_to_none=True)
             res = drafter_step(
                 model, samples, objective=objective, mode=mode, head_weight=head, embed_weight=embed, step=0,
                 backend=backend, bucket=args.bucket, stats=CommStats(), regather=args.regather,
-                schedule=args.schedule, pack_gqa=args.pack,
+                schedule=args.schedule, pack_gqa=args.pack, gather_ahead=options and args.gather_ahead,
             )  # fmt: skip
             out[backend] = (res.loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        order.REVERSE_QUERIES = args.reverse_queries
         (ref_loss, ref_grads), (loss, grads) = out["dense"], out[env.backend]
         err = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
         for n, g in ref_grads.items():
@@ -493,7 +503,8 @@ def run_ours(mode, L, N, config, model, head, embed, env, args) -> dict:
     def prepared_step(i, communicate):
         if communicate not in prefetchers:
             options = AttentionOptions(backend=env.backend, communicate=communicate, stats=stats,
-                                       regather=args.regather, schedule=args.schedule, pack_gqa=args.pack)  # fmt: skip
+                                       regather=args.regather, schedule=args.schedule, pack_gqa=args.pack,
+                                       gather_ahead=args.gather_ahead)  # fmt: skip
             prefetchers[communicate] = StepPrefetcher(
                 prepare, options, device=env.device, groups=groups, masks=args.prefetch_masks
             )
@@ -509,11 +520,10 @@ def run_ours(mode, L, N, config, model, head, embed, env, args) -> dict:
         box["res"] = drafter_step(
             model, samples, objective=objective, mode=mode, head_weight=head, embed_weight=embed, step=i,
             backend=env.backend, communicate=communicate, bucket=args.bucket, stats=stats, prepared=prepared,
-            regather=args.regather, schedule=args.schedule, pack_gqa=args.pack,
+            regather=args.regather, schedule=args.schedule, pack_gqa=args.pack, gather_ahead=args.gather_ahead,
         )  # fmt: skip
 
-    for _ in range(args.warmup):
-        step()
+    warmup_steps = warm_up(step, args.warmup, max(args.warmup, args.max_warmup), agree=env.reduce)
     env.reset_peak()
     stats.reset()
     before = step_health(env)
@@ -523,7 +533,8 @@ def run_ours(mode, L, N, config, model, head, embed, env, args) -> dict:
     res = box["res"]
     rec = {"step_ms": step_ms, "peak_mem_gib": peak, "tokens_per_s": res.metrics["supervised"] / (step_ms / 1e3),
                "comm_bytes_per_step": env.reduce(sum(stats.bytes_sent.values()) / args.iters),
-           "timed_steps_health": timed_health, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}  # fmt: skip
+           "timed_steps_health": timed_health, "warmup_steps": warmup_steps,
+           "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}  # fmt: skip
     flops = (
         sum(useful_flops(config, L, p.anchors) for p in res.plans)
         if mode == "dp"
@@ -533,7 +544,8 @@ def run_ours(mode, L, N, config, model, head, embed, env, args) -> dict:
     rec["useful_tflops_per_gpu"] = flops / (step_ms / 1e3) / P / 1e12
     rec["mfu"] = rec["useful_tflops_per_gpu"] / args.peak_tflops
     if P > 1 and mode in ("csbp", "cp"):
-        nocomm = env.reduce(_time(lambda: step(communicate=False), env, 1, args.iters))
+        warm_up(lambda: step(communicate=False), 1, max(1, args.max_warmup), agree=env.reduce)
+        nocomm = env.reduce(_time(lambda: step(communicate=False), env, 0, args.iters))
         rec["exposed_comm_ms"] = max(0.0, step_ms - nocomm)
     if args.profile and env.rank == 0:
         profile_once(step, env, f"{mode} P={P} L={L} N={N}")
@@ -609,8 +621,7 @@ def run_specforge(L, N, config, head, embed, env, args) -> dict:
         loss.backward()
         box["sup"] = metrics["accuracy_denom"]
 
-    for _ in range(args.warmup):
-        step()
+    warmup_steps = warm_up(step, args.warmup, max(args.warmup, args.max_warmup))
     env.reset_peak()
     step_ms = _time(step, env, 0, args.iters)
     sup = float(box["sup"])
@@ -619,7 +630,7 @@ def run_specforge(L, N, config, head, embed, env, args) -> dict:
     )
     tflops = useful_flops(config, L, anchors) / (step_ms / 1e3) / 1e12
     out = {"step_ms": step_ms, "peak_mem_gib": env.peak_gib(), "tokens_per_s": sup / (step_ms / 1e3),
-               "useful_tflops_per_gpu": tflops, "mfu": tflops / args.peak_tflops}  # fmt: skip
+               "useful_tflops_per_gpu": tflops, "mfu": tflops / args.peak_tflops, "warmup_steps": warmup_steps}  # fmt: skip
     return out
 
 
@@ -637,6 +648,7 @@ def is_oom(err: BaseException) -> bool:
 
 def run_points(args, env, points):
     name, config = build_config(args)
+    order.REVERSE_QUERIES = args.reverse_queries  # in every rank's process (--smoke spawns its own)
     ours = list(dict.fromkeys(m for m, _, _ in points if m != "specforge"))
     checked = check_backends(args, env, ours) if args.check_context and ours else {}
     head, embed = frozen_target(config, env, args.seed)
@@ -650,10 +662,13 @@ def run_points(args, env, points):
         base = {"workload": f"drafter-{name}", "mode": mode, "world_size": 1 if mode == "specforge" else env.world,
                     "context_len": L, "block_size": config.draft_block_size, "anchors": N, "dflash2": config.is_dflash2,
                     "regather": args.regather, "schedule": args.schedule, "pack_gqa": args.pack_gqa,
+                    **({"reverse_queries": True} if args.reverse_queries and mode != "specforge" else {}),
+                    **({"gather_ahead": True} if args.gather_ahead and mode != "specforge" else {}),
                     **({} if mode == "specforge" else {"prefetch_masks": args.prefetch_masks}), "fresh_compile": True, "start_allocated_gib": held,
                     **({"keep_logits_gib": args.keep_logits_gib} if args.keep_logits_gib and mode != "specforge" else {}),
                     **({"check_rel_err": checked[mode]} if mode in checked else {}),
-                    "device": env.name, "date": datetime.date.today().isoformat(), "command": command_line(env)}  # fmt: skip
+                    "device": env.name, "date": datetime.date.today().isoformat(), "code": library_digest(),
+                    "command": command_line(env)}  # fmt: skip
         try:
             if mode == "specforge":
                 rec = run_specforge(L, N, config, head, embed, env, args)
@@ -696,7 +711,7 @@ def show(r: BenchRecord) -> None:
             f"{r.status}")  # fmt: skip
     if r.status == "ok":
         line += (f" step {r.step_ms:9.1f} ms  {r.tokens_per_s:10.0f} tok/s  peak {r.peak_mem_gib or 0:6.1f} GiB"
-                 f"  MFU {extra.get('mfu', 0):.2f}")  # fmt: skip
+                 f"  MFU {extra.get('mfu', 0):.2f}  warm-up {extra.get('warmup_steps', '?')} steps")  # fmt: skip
         if r.exposed_comm_ms is not None:
             line += f"  exposed comm {r.exposed_comm_ms:.1f} ms"
         health = extra.get("timed_steps_health")

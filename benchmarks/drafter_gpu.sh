@@ -71,12 +71,58 @@ case "${1:-1}" in
   # Next session, first (queue in benchmarks/README.md): the planner recalibrated for session 6's code (it now
   # also measures the top-1 loss rate), what is left of the 1M full-layer gap in one layer's call, and the
   # per-segment overlap schedule against fused at 1M (CSBP only: CP gathers no K/V).
-  stage 240 torchrun --nproc-per-node 2 -m specforge_csbp plan --calibrate --profile-out "$OUT/h200x2.json" \
+  stage 140 torchrun --nproc-per-node 2 -m specforge_csbp plan --calibrate --profile-out "$OUT/h200x2.json" \
     --model drafter_configs/qwen3-8b-dflash2.json --context 1M --gpus 8 --gpu-mem 141 --workload drafter
   stage 150 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/flex_layer_bench.py --shape a --context 1M --anchors 512 \
     --variants cp:dynamic+divisible,cp:dynamic+divisible+rev,csbp:dynamic+divisible,csbp:dynamic+divisible+rev,csbp:dynamic+divisible+split
   stage 150 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 1M --anchors 512 --out "$R"
   stage 120 torchrun --nproc-per-node 2 $B --shape a --modes csbp --contexts 1M --anchors 512 --schedule overlap --out "$R"
+  ;;
+9)
+  # Session 7: the rest of the shape-a grid (2048 anchors), each context with the fused and the per-segment
+  # overlap schedule side by side (overlap won at 1M / 512 in part 8: 1337 vs 1365 ms). DP last: an OOM ends
+  # a multi-rank launch.
+  for L in 64K 256K 512K; do
+    stage 150 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp,dp --contexts $L --anchors 2048 --out "$R"
+    stage 90 torchrun --nproc-per-node 2 $B --shape a --modes csbp --contexts $L --anchors 2048 --schedule overlap --out "$R"
+  done
+  ;;
+10)
+  stage 150 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp,dp --contexts 1M --anchors 2048 --out "$R"
+  stage 100 torchrun --nproc-per-node 2 $B --shape a --modes csbp --contexts 1M --anchors 2048 --schedule overlap --out "$R"
+  for L in 64K 256K; do
+    stage 120 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp,dp --contexts $L --anchors 512 --out "$R"
+  done
+  ;;
+11)
+  # Session 7, last call: CSBP fused at 1M / 2048 (CP ran out of memory there in part 10, ending that launch),
+  # 128K / 2048 with session 6's code, shape b at 1M, and one GPU against SpecForge at 256K.
+  stage 110 torchrun --nproc-per-node 2 $B --shape a --modes csbp,dp --contexts 1M --anchors 2048 --out "$R"
+  stage 80 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 128K --anchors 2048 --out "$R"
+  stage 120 torchrun --nproc-per-node 2 $B --shape b --dflash2 --modes cp,csbp --contexts 1M --anchors 512 --out "$R"
+  stage 110 env CUDA_VISIBLE_DEVICES=0 python3 $B --shape a --no-dflash2 --modes csbp,specforge --contexts 256K \
+    --anchors 512 --no-components --keep-logits-gib 16 --out "$R"
+  ;;
+12)
+  # Next session, first (session 7 built after its GPU time: warm-up to a steady compile state, the
+  # --reverse-queries switch, --gather-ahead). 1M / 512 is the one shape-a point under 95% of its ceiling
+  # (fused 94.5%; the overlap schedule was 2% faster in its own launch; CSBP's exposed communication was
+  # 22 ms): fused with DP (the missing DP point, last: an OOM ends the launch), then overlap, reversed
+  # queries and the gather one layer ahead, each side by side with CP.
+  stage 150 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp,dp --contexts 1M --anchors 512 --out "$R"
+  stage 130 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 1M --anchors 512 --schedule overlap --out "$R"
+  stage 130 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 1M --anchors 512 --reverse-queries --out "$R"
+  stage 130 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 1M --anchors 512 --gather-ahead --out "$R"
+  ;;
+13)
+  # 512K / 512 with DP; the schedule crossover with a steady warm-up (session 7's overlap records at 64K /
+  # 256K compiled during their timed steps); DP at 128K / 2048; reversed queries at 128K.
+  stage 130 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp,dp --contexts 512K --anchors 512 --out "$R"
+  for L in 64K 256K; do
+    stage 90 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts $L --anchors 2048 --schedule overlap --out "$R"
+  done
+  stage 120 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp,dp --contexts 128K --anchors 2048 --out "$R"
+  stage 90 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 128K --anchors 512 --reverse-queries --out "$R"
   ;;
 esac
 echo "== $(date -u +%T) done"

@@ -23,7 +23,8 @@ PREDICT = [
     "drafter-qwen3-8b=benchmarks/configs/drafter-qwen3-8b.json",
     "sft=benchmarks/configs/qwen3-1.7b.json",
     "--profile",
-    "h200x2-2026-11-30-b",
+    "h200x2-2026-11-30-c",  # session 7's calibration: the drafter's rates with the code that ran session 7
+    "sft=h200x2-2026-11-30-b",  # session 5's: the only one that measured Qwen3-1.7B's own SFT layer
 ]
 
 if __name__ == "__main__":

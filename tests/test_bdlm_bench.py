@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from specforge_csbp.bench.provenance import library_digest
 from specforge_csbp.bench.records import load_records
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,4 +47,5 @@ def test_bench_smoke_writes_records_without_pydantic(tmp_path):
         assert extra["mlp_ms"] > 0 and extra["loss_ms"] > 0 and extra["attention_ms"] > 0  # the spans fired
         assert (extra["attn_comm_gib_per_step"] > 0) == (mode in ("csbp", "cp"))  # only these gather K/V
         assert ("scaling_efficiency" in extra) == (mode != "reference")
+        assert extra["code"] == library_digest()  # the library code that ran (bench/provenance.py)
     assert records["dp"].tokens_per_s > 0 and "Qwen3" not in records["dp"].model_extra["model"]

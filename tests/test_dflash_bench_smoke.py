@@ -3,6 +3,8 @@ writes valid shared benchmark records."""
 
 from bench_smoke import run_bench_smoke
 
+from specforge_csbp.bench.provenance import library_digest
+
 
 def test_drafter_bench_smoke(tmp_path):
     records = run_bench_smoke("benchmarks/drafter_bench.py", tmp_path / "drafter.jsonl")
@@ -12,6 +14,8 @@ def test_drafter_bench_smoke(tmp_path):
         extra = r.model_extra or {}
         assert r.status == "ok" and r.step_ms > 0 and r.tokens_per_s > 0 and r.workload == "drafter-tiny"
         assert extra["anchors"] == 13 and extra["mfu"] > 0
+        assert extra["code"] == library_digest()  # the library code that ran (bench/provenance.py)
+        assert extra["warmup_steps"] == 1  # --smoke: one warm-up step, and nothing compiles on CPU to extend it
         if r.mode != "specforge":  # ours: what the timed steps compiled / allocated (no compile on CPU)
             assert extra["timed_steps_health"] == {"compiled_graphs": 0.0}
         if r.mode in ("csbp", "cp") and r.world_size == 2:
@@ -19,3 +23,19 @@ def test_drafter_bench_smoke(tmp_path):
             assert extra["ceiling"] >= 1.0 and {"ctx_ms", "block_ms", "loss_ms", "prep_ms"} <= set(
                 extra["components_ms"]
             )
+
+
+def test_drafter_bench_smoke_reversed_queries_and_gather_ahead(tmp_path):
+    """--reverse-queries and --gather-ahead reach every rank (the smoke run's path check compares our modes
+    with the dense seam in row order, gathering in place) and are recorded on our modes only (SpecForge
+    runs its own attention)."""
+    records = run_bench_smoke(
+        "benchmarks/drafter_bench.py", tmp_path / "drafter.jsonl", "--reverse-queries", "--gather-ahead"
+    )
+    for r in records:
+        extra = r.model_extra or {}
+        assert r.status == "ok"
+        assert extra.get("reverse_queries") is (None if r.mode == "specforge" else True)
+        assert extra.get("gather_ahead") is (None if r.mode == "specforge" else True)
+        if r.mode != "specforge":  # reversed seam against the dense seam in row order, float32
+            assert extra["check_rel_err"] < 1e-4

@@ -1,7 +1,8 @@
 """Drafter loss and every trainable gradient under CSBP, CP and DP equal the single-process reference.
 
 float64 on gloo ranks, P = 2, 3, 4; DFlash and DFlash2; anchor counts not divisible by P; sliding-window and
-full layers; GQA; D-PACE and decay losses; padded (bucketed) sliding plans. One spawn of 4 gloo ranks runs the
+full layers; GQA; D-PACE and decay losses; padded (bucketed) sliding plans; context K/V gathered one layer
+ahead (fused and overlap schedules). One spawn of 4 gloo ranks runs the
 whole case matrix on sub-groups of 2, 3 and 4 ranks (process start-up dominates CPU test time), and the first
 rank of each group compares with the reference it computes itself.
 """
@@ -40,6 +41,7 @@ class Case:
     is_causal: bool | None = None
     seed: int = 0
     regather: bool = False  # CSBP: gathered context K/V freed after forward, gathered again in backward
+    gather_ahead: bool = False  # CSBP: layer i + 1's context K/V gathered while layer i runs
 
 
 def cases(world):
@@ -52,6 +54,11 @@ def cases(world):
     yield Case("cp", False, (44,), 2 * P - 1, layer_types=("full_attention", "sliding_attention"), seed=4)
     yield Case("cp", True, (36,), P + 2, loss_type="dpace-continuation-value-only", bucket=4, seed=5)
     yield Case("dp", True, tuple(30 + 3 * i for i in range(P + 1)), 5, seed=6)  # P <= B < 2P sequences
+    # gather ahead: two layers of one type in a row (one executor, two gathers in flight), fused and overlap
+    yield Case("csbp", True, (50,), 2 * P + 1, layer_types=("sliding_attention", "full_attention", "full_attention"),
+               bucket=3, seed=7, gather_ahead=True)  # fmt: skip
+    yield Case("csbp", False, (46, 33), P + 2, seed=8, regather=True, gather_ahead=True)
+    yield Case("cp", True, (42,), 2 * P + 2, seed=10, gather_ahead=True)  # CP gathers no K/V: the switch is a no-op
 
 
 def build(case: Case):
@@ -90,6 +97,7 @@ def run(case: Case, mode: str, stats=None, group=None):
     res = drafter_step(
         model, samples, objective=obj, mode=mode, head_weight=head, embed_weight=embed, step=1,
         bucket=case.bucket, stats=stats or CommStats(), group=group, regather=case.regather,
+        gather_ahead=case.gather_ahead,
     )  # fmt: skip
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return res, grads

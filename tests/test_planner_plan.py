@@ -9,6 +9,7 @@ from dataclasses import asdict
 import pytest
 from planner_fixtures import DRAFTER, LM, PROFILE
 
+from specforge_csbp.bench.provenance import library_digest
 from specforge_csbp.cli.main import main
 from specforge_csbp.planner.cost import Layout, Options, predict
 from specforge_csbp.planner.pairs import bdlm_rank_stats
@@ -119,12 +120,14 @@ def test_calibrate_on_cpu_and_plan_with_it(files, capsys):
     assert prof.allgather_gbps is None and prof.attention_backend == "dense"
     work = ("layer_tflops", "loss_tflops", "loss_topk_tflops", "adamw_gbps")  # planner/rates.py, toy sizes
     assert all(getattr(prof, k) > 0 for k in work) and prof.calibration_s > 0
+    assert prof.code == library_digest()  # which code it timed: the report pairs records with it by this
     with pytest.raises(ValueError, match="allgather_gbps was not measured"):
         predict(load_shape(LM), "sft", 4096, Layout(1, 2, "csbp"), prof, 80)
     out = files / "cpu2.json"
     assert main(["plan", "--calibrate", "--world-size", "2", "--profile-out", str(out)]) == 0
     prof2 = load_profile(out)
     assert prof2.world_size == 2 and prof2.allgather_gbps > 0 and prof2.reduce_scatter_gbps > 0
+    assert prof2.code == library_digest()  # written to the profile file and read back
     assert all(getattr(prof2, k) > 0 for k in work)
     assert "calibrated: cpu" in capsys.readouterr().out
     assert main(["plan", "--model", str(files / "lm.json"), "--context", "2K", "--gpus", "2", "--profile",

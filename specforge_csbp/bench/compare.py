@@ -40,7 +40,7 @@ BASE_FIELDS = tuple(BenchRecord.model_fields)
 # Extra fields that describe the problem (not a measurement): records differing in them are not compared.
 CONFIG_EXTRAS = (
     "model", "batch", "anchors", "heads", "kv_heads", "head_dim", "layers", "hidden", "dtype",
-    "clean_within_block", "vocab", "backend", "schedule", "regather", "pack_gqa",
+    "clean_within_block", "vocab", "backend", "schedule", "regather", "pack_gqa", "reverse_queries", "gather_ahead",
 )  # fmt: skip
 MODE_ORDER = ("reference", "dp", "cp", "torch-cp", "bp", "specforge", "csbp")
 

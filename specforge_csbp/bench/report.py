@@ -25,7 +25,7 @@ from .compare import extra_fields, group_side_by_side, mode_rank, speedups
 from .plots import plot_workload
 from .records import BenchRecord, load_records
 
-__all__ = ["CSV_FIELDS", "format_value", "fresh_compile", "record_sort_key", "render_markdown", "write_csv", "write_report"]
+__all__ = ["CSV_FIELDS", "format_value", "fresh_compile", "record_sort_key", "render_markdown", "steady", "write_csv", "write_report"]
 
 # Table columns (field, header); attention-only columns appear when a workload's records carry them.
 CORE_COLUMNS = (
@@ -36,9 +36,10 @@ CORE_COLUMNS = (
 OPTIONAL_COLUMNS = (("useful_tflops_per_gpu", "useful TFLOP/s/GPU"), ("exposed_comm_ms", "exposed comm ms"))
 RUN_FIELDS = ("device", "date", "command")
 # Bookkeeping extras of the sweep runner: kept in the records and the CSV, left out of the tables.
-HIDDEN_EXTRAS = ("point", "wall_s", "exit_code")
+HIDDEN_EXTRAS = ("point", "wall_s", "exit_code", "code")  # code: in the CSV (bench/provenance.py)
 CSV_FIELDS = tuple(BenchRecord.model_fields)
 PLANNER_TARGET = 0.15  # the planner's target error on measured points (issue 6)
+MAX_TIMED_COMPILES = 2  # a record whose timed steps compiled this many graphs is no steady-state time (`steady`)
 # record -> object with step_ms, tokens_per_s, peak_gib (or None): see planner/validate.py
 Predictor = Callable[[BenchRecord], Any]
 
@@ -89,7 +90,7 @@ def _workload_section(
     plots: dict[str, Path],
     doc_dir: Path,
     predictor: Predictor | None = None,
-    predicted_since: str | None = None,
+    same_code: Callable[[BenchRecord], bool] | None = None,
 ) -> list[str]:
     workload = recs[0].workload
     lines = [f"## {workload}", ""]
@@ -133,7 +134,7 @@ def _workload_section(
         rows.append(row)
     lines += ["### All records", ""] + _table(header, rows) + [""]
     if with_pred:
-        lines += _prediction_summary(recs, preds, predicted_since) + [""]
+        lines += _prediction_summary(recs, preds, same_code) + [""]
 
     spd = speedups(recs)
     if spd:
@@ -184,9 +185,12 @@ def fresh_compile(r: BenchRecord) -> bool:
     return bool(extra.get("fresh_compile")) or "point" in extra
 
 
-def _prediction_summary(recs: list[BenchRecord], preds: list, since: str | None = None) -> list[str]:
-    """Error of the planner on the records; with `since` (the profile's calibration date) also on the
-    records measured that day or later - the code the calibration timed; older records ran older code."""
+def _prediction_summary(
+    recs: list[BenchRecord], preds: list, same_code: Callable[[BenchRecord], bool] | None = None
+) -> list[str]:
+    """Error of the planner on the records; with `same_code` also on the records that ran the code the
+    profile calibrated (cli/report.py: same library digest, else measured on or after the calibration date)
+    - older records ran older code, whose speed the profile does not describe."""
 
     def stat(pairs: list) -> tuple[str, str]:
         tps = [abs(p.tokens_per_s / r.tokens_per_s - 1) for r, p in pairs if p and r.tokens_per_s]
@@ -202,15 +206,31 @@ def _prediction_summary(recs: list[BenchRecord], preds: list, since: str | None 
         return one(tps), one(mem)
 
     pairs = list(zip(recs, preds))
+    compiling = [r for r, p in pairs if p is not None and not steady(r)]
+    pairs = [(r, p) for r, p in pairs if steady(r)]
     lines = []
-    if since is not None:
-        tps, mem = stat([(r, p) for r, p in pairs if r.date >= since])
-        lines.append(f"Planner (`specforge-csbp plan`) against the measurements of {since} or later (the code its "
-                     f"profile calibrated): tokens/s error {tps}; peak memory error {mem}.")  # fmt: skip
+    if same_code is not None:
+        tps, mem = stat([(r, p) for r, p in pairs if same_code(r)])
+        lines.append(f"Planner (`specforge-csbp plan`) against the measurements of the code its profile calibrated "
+                     f"(same library digest `code`; without one, measured on or after the calibration date): tokens/s "
+                     f"error {tps}; peak memory error {mem}.")  # fmt: skip
     tps, mem = stat(pairs)
-    lines.append(f"Planner against {'all ' if since else ''}these measurements: tokens/s error {tps}; "
+    lines.append(f"Planner against {'all ' if same_code else ''}these measurements: tokens/s error {tps}; "
                  f"peak memory error {mem}.")  # fmt: skip
+    if compiling:
+        lines.append(f"Left out of both: {len(compiling)} record(s) whose timed steps compiled "
+                     f"{MAX_TIMED_COMPILES} or more graphs (the median step was a compiling one; the planner "
+                     "predicts the steady state): " + ", ".join(
+                         f"{r.mode} L={r.context_len} ({r.date})" for r in compiling) + ".")  # fmt: skip
     return lines
+
+
+def steady(r: BenchRecord) -> bool:
+    """False for a record whose timed steps compiled MAX_TIMED_COMPILES graphs or more (`timed_steps_health`,
+    benchmarks/drafter_bench.py): of its 3 timed steps the median one compiled, so its time is not the
+    step's. bench/isolation.warm_up now warms up until steady; older records may still show it."""
+    health = (r.model_extra or {}).get("timed_steps_health") or {}
+    return float(health.get("compiled_graphs", 0)) < MAX_TIMED_COMPILES
 
 
 def render_markdown(
@@ -223,7 +243,7 @@ def render_markdown(
     generator: str = "specforge-csbp report",
     predictor: Predictor | None = None,
     predictor_note: str = "",
-    predicted_since: str | None = None,
+    same_code: Callable[[BenchRecord], bool] | None = None,
 ) -> str:
     """The whole report as markdown; writes the PNGs into img_dir (default: <doc dir>/img). With a
     `predictor` (planner/validate.py), ok records get the planner's prediction and its error beside them."""
@@ -246,7 +266,7 @@ def render_markdown(
     for w in workloads:
         recs = [r for r in records if r.workload == w]
         plots = plot_workload(recs, w, img_dir)
-        lines += _workload_section(recs, plots, doc_dir, predictor, predicted_since)
+        lines += _workload_section(recs, plots, doc_dir, predictor, same_code)
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
@@ -276,7 +296,7 @@ def write_report(
     generator: str = "specforge-csbp report",
     predictor: Predictor | None = None,
     predictor_note: str = "",
-    predicted_since: str | None = None,
+    same_code: Callable[[BenchRecord], bool] | None = None,
 ) -> list[BenchRecord]:
     """Load every record under `results`, write the markdown (and optionally the CSV); returns the records."""
     paths = results if isinstance(results, list) else [results]
@@ -285,7 +305,7 @@ def write_report(
     source = ", ".join(Path(p).as_posix().rstrip("/") + ("/" if Path(p).is_dir() else "") for p in paths)
     text = render_markdown(records, doc_path=doc_path, img_dir=img_dir, title=title, source=source,
                            generator=generator, predictor=predictor, predictor_note=predictor_note,
-                           predicted_since=predicted_since)  # fmt: skip
+                           same_code=same_code)  # fmt: skip
     Path(doc_path).parent.mkdir(parents=True, exist_ok=True)
     Path(doc_path).write_text(text)
     if csv_path is not None:

@@ -34,6 +34,7 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from .grid import SweepPoint
+from .provenance import library_digest
 from .records import BenchRecord, load_records, write_records
 from .report import render_markdown, write_csv
 
@@ -140,7 +141,8 @@ def run_point(
                 bad = f"unreadable records: {_one_line(err)}"
     log = log_path.read_text(errors="replace")
     # The recorded command names a stable output file (not the temp one), so it can be re-run by hand.
-    common = {"command": shlex.join(command(f"{point.slug}.jsonl")), "device": device, "date": date}
+    common = {"command": shlex.join(command(f"{point.slug}.jsonl")), "device": device, "date": date,
+              "code": library_digest()}
     if rc == 0 and records and not bad:
         return [r.model_copy(update={**common, "point": point.key, "wall_s": round(wall, 2)}) for r in records]
     if bad:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import functools
 
+from ..bench.records import BenchRecord
 from ..bench.report import write_report
 
 __all__ = ["register", "run"]
@@ -19,12 +21,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--title", default="Benchmarks")
     p.add_argument("--predict", nargs="*", default=[], metavar="WORKLOAD=CONFIG",
                    help="put the planner's prediction beside every ok record of WORKLOAD (model config.json)")
-    p.add_argument("--profile", default="h200-nominal", help="machine profile for --predict (JSON or built-in)")
+    p.add_argument("--profile", nargs="+", default=["h200-nominal"], metavar="[WORKLOAD=]PROFILE",
+                   help="machine profile for --predict (JSON or built-in); WORKLOAD=PROFILE: that workload's own")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    predictor, note, since = None, "", None
+    predictor, note, same_code = None, "", None
     if args.predict:
         from ..planner.profile import load_profile
         from ..planner.validate import record_predictor
@@ -35,12 +38,38 @@ def run(args: argparse.Namespace) -> int:
             if not sep or not workload or not config:
                 raise ValueError(f"predict must be WORKLOAD=CONFIG; got {item!r}")
             models[workload] = config
-        profile = load_profile(args.profile)
-        predictor = record_predictor(models, profile)
-        since = profile.date if profile.measured else None
-        note = (f"Planner predictions use the profile `{args.profile}` ({profile.summary()}) and the model "
-                "configs " + ", ".join(f"`{w}`: `{c}`" for w, c in sorted(models.items())) + ".")
+        default_name, own_names = _profile_names(args.profile)
+        profile = load_profile(default_name)
+        own = {w: load_profile(name) for w, name in own_names.items()}
+        predictor = record_predictor(models, profile, own)
+        used = [profile, *own.values()]
+        if all(p.measured for p in used):
+            same_code = functools.partial(_ran_calibrated_code, profile=profile, own=own)
+        note = (f"Planner predictions use the profile `{default_name}` ({profile.summary()})"
+                + "".join(f"; for `{w}` the profile `{own_names[w]}` ({p.summary()})" for w, p in sorted(own.items()))
+                + " and the model configs " + ", ".join(f"`{w}`: `{c}`" for w, c in sorted(models.items())) + ".")
     records = write_report(args.results, args.out, img_dir=args.img_dir, csv_path=args.csv, title=args.title,
-                           predictor=predictor, predictor_note=note, predicted_since=since)
+                           predictor=predictor, predictor_note=note, same_code=same_code)
     print(f"report: {len(records)} records -> {args.out}")
     return 0
+
+
+def _ran_calibrated_code(r: BenchRecord, *, profile, own: dict) -> bool:
+    """Did `r` run the code its profile calibrated: the same library digest when both carry one
+    (bench/provenance.py), else measured on or after the calibration date."""
+    machine = own.get(r.workload, profile)
+    code = (r.model_extra or {}).get("code")
+    if machine.code and code:
+        return code == machine.code
+    return r.date >= machine.date
+
+
+def _profile_names(items: list[str]) -> tuple[str, dict[str, str]]:
+    """`--profile` items -> (the default profile, workload -> its own profile); one default at most."""
+    defaults = [item for item in items if "=" not in item]
+    own = dict(item.split("=", 1) for item in items if "=" in item)
+    if len(defaults) > 1:
+        raise ValueError(f"profile: one default profile at most (others as WORKLOAD=PROFILE); got {defaults}")
+    if any(not w or not name for w, name in own.items()):
+        raise ValueError(f"profile: items are PROFILE or WORKLOAD=PROFILE; got {items}")
+    return (defaults[0] if defaults else "h200-nominal"), own

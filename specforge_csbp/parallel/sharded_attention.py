@@ -20,6 +20,14 @@ schedule "overlap":
     for. (The 243-247 above were measured when the remote call ran over the whole buffer, own segment
     included as PAD, in a strided layout; the per-segment form is not yet measured on GPU.)
 
+Gather ahead (`begin`): a caller that has the leading K/V rows early (a drafter's context K/V depend on the
+target features only, not on the layer below) starts the gather before it has the queries and hands the
+handle to the call, so the collective runs behind whatever the caller does in between (models/dflash:
+the previous layer):
+
+    begin(k_ctx, v_ctx) ──► all-gather ......................► __call__(q, k, v, gathered=handle)
+                            (the layer before runs meanwhile)
+
 The local call sees every key this rank holds; the remote calls see the other ranks' shared keys (this
 rank's own segment is never attended to: its rows are the local ones). Reference, CP, BP and CSBP are this
 same code over different plans (layout/plans.py).
@@ -40,7 +48,7 @@ import torch.distributed as dist
 
 from ..attention import merge_partials, partial_attention, prepare_attention
 from ..devices import device_key, stage_index
-from ..distributed.collectives import COMM_STATS, CommStats, KVGather
+from ..distributed.collectives import COMM_STATS, CommStats, GatherHandle, KVGather
 from ..layout.plans import ShardPlan, bdlm_plan
 from ..layout.tokens import TokenSet
 from ..masks.visibility import Visibility
@@ -95,6 +103,8 @@ class ShardedAttention:
         # shared rows that are the first rows in order (full layers share every context row) are a slice:
         # no index to stage, no index_select forward or index_add backward
         self._shared_run = slice(0, len(plan.shared)) if plan.communicates and plan.shares_leading_rows else None
+        # rows `begin` needs at least: every shared row lies in them
+        self._shared_end = int(plan.shared.max()) + 1 if plan.communicates and len(plan.shared) else 0
         if plan.communicates and schedule == "fused":  # one call over [local ++ the other ranks' segments]
             # the own segment of the gathered buffer is all PAD, so the kernel never gets it: 1/P fewer key
             # rows to copy, mask and write zero gradients for
@@ -134,13 +144,36 @@ class ShardedAttention:
             rows = self._shared_on[device] = stage_index(self.plan.shared, device)
         return rows
 
-    def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def begin(self, k_lead: torch.Tensor, v_lead: torch.Tensor) -> GatherHandle | None:
+        """Start the gather from the leading rows of this call's K/V (every shared row must lie in them),
+        for a later `__call__(..., gathered=handle)` over K/V that begin with these rows; None when this
+        plan gathers nothing."""
         if self._gather is None:
+            return None
+        if k_lead.shape[2] < self._shared_end:
+            raise ValueError(
+                f"begin: the shared rows reach row {self._shared_end - 1}, but only {k_lead.shape[2]} leading "
+                "K/V rows were given"
+            )
+        return self._gather.start(k_lead, v_lead, self.shared_rows(k_lead.device), self.plan.gather_len)
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float | None = None,
+        gathered: GatherHandle | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`gathered`: the handle `begin` returned for K/V whose leading rows these k / v begin with."""
+        if self._gather is None:
+            if gathered is not None:
+                raise ValueError("gathered: this plan gathers nothing (begin returned None)")
             return partial_attention(q, k, v, self.local, scale=scale, **self.seam)
-        rows = self.shared_rows(k.device)
-        handle = self.last_gather = self._gather.start(k, v, rows, self.plan.gather_len)
+        if gathered is None:
+            gathered = self._gather.start(k, v, self.shared_rows(k.device), self.plan.gather_len)
+        handle = self.last_gather = gathered
         if self.schedule == "fused":
             # [local ++ the other ranks' segments] copied into one K and one V, so the gathered buffer itself
             # is not saved for backward (the concatenation is); the own segment (all PAD) is left out and its

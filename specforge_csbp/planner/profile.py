@@ -42,11 +42,12 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..bench.provenance import library_digest
 from .rates import BDLMLayerSpec, measure_bdlm_layer, measure_drafter_attention, measure_work_rates, timed
 
 __all__ = ["BUILTIN_PROFILES", "MachineProfile", "calibrate", "load_profile"]
 
-BUILTIN_PROFILES = ("h200-nominal", "h200x2-2026-11-29", "h200x2-2026-11-30", "h200x2-2026-11-30-b")
+BUILTIN_PROFILES = ("h200-nominal", "h200x2-2026-11-29", "h200x2-2026-11-30", "h200x2-2026-11-30-b", "h200x2-2026-11-30-c")
 
 
 class MachineProfile(BaseModel):
@@ -78,6 +79,7 @@ class MachineProfile(BaseModel):
     internode_gbps: float | None = Field(default=None, gt=0, description="per-GPU bandwidth across nodes")
     reserved_gib: float = Field(default=0.0, ge=0, description="memory tensors cannot use (context, slack)")
     command: str = ""
+    code: str | None = Field(default=None, description="library digest of the calibrating code (bench/provenance.py)")
 
     @model_validator(mode="after")
     def _bdlm_layer_pair(self) -> MachineProfile:
@@ -309,5 +311,5 @@ def calibrate(
     gpus_per_node = torch.cuda.device_count() if torch.cuda.is_available() else world
     return MachineProfile(
         date=_dt.datetime.now(_dt.timezone.utc).date().isoformat(), world_size=world,
-        gpus_per_node=max(gpus_per_node, 1), command=command, **data,
+        gpus_per_node=max(gpus_per_node, 1), command=command, code=library_digest(), **data,
     )  # fmt: skip

@@ -64,10 +64,13 @@ def record_options(r: BenchRecord, kind: str) -> Options:
 
 
 def record_predictor(
-    models: dict[str, str], profile: MachineProfile
+    models: dict[str, str], profile: MachineProfile, per_workload: dict[str, MachineProfile] | None = None
 ) -> Callable[[BenchRecord], PredictedPoint | None]:
-    """models: record workload name -> config.json. Returns record -> prediction (None: not predictable)."""
+    """models: record workload name -> config.json. Returns record -> prediction (None: not predictable).
+    `per_workload`: a workload's own profile instead of `profile` (e.g. the calibration that measured its
+    layer: the SFT layer rate and the drafter's rates come from different `plan --calibrate` runs)."""
     shapes: dict[str, ModelShape] = {w: load_shape(path) for w, path in sorted(models.items())}
+    profiles = per_workload or {}
 
     def fn(r: BenchRecord) -> PredictedPoint | None:
         shape = shapes.get(r.workload)
@@ -80,7 +83,8 @@ def record_predictor(
             layout = Layout(r.world_size, 1, "dp")
         else:
             layout = Layout(1, r.world_size, r.mode)
-        p = predict(shape, kind, r.context_len, layout, profile, float("inf"), record_options(r, kind))
+        machine = profiles.get(r.workload, profile)
+        p = predict(shape, kind, r.context_len, layout, machine, float("inf"), record_options(r, kind))
         if p.step_ms is None:
             return None
         return PredictedPoint(p.step_ms, p.tokens_per_s, p.peak_gib - p.memory.reserved)

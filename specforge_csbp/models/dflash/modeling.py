@@ -33,17 +33,35 @@ from .configuration import DFLASH2_ARCH, DFLASH_ARCH, DFlashConfig
 from .conv import DFlashGroupedConv
 from .selector import CandidateSelector
 
-__all__ = ["DFlash2DraftModel", "DFlashDraftModel", "DFlashPreTrainedModel", "LayerAttention"]
+__all__ = ["DFlash2DraftModel", "DFlashDraftModel", "DFlashPreTrainedModel", "LayerAttention", "LayerContext"]
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
 class LayerAttention:
-    """What one layer type attends with: `attend(q, k, v)` and which context rows feed its K/V."""
+    """What one layer type attends with: `attend(q, k, v)` and which context rows feed its K/V.
+
+    `gather_ahead`: `attend` has `begin(k_ctx, v_ctx) -> handle` (parallel/sharded_attention.py) and the
+    model calls it for layer i + 1 before it runs layer i, so the context K/V's all-gather runs behind
+    layer i instead of in front of layer i + 1's attention (a layer's context K/V depend on the target
+    features only):
+
+        ctx K/V(0), begin(0) | ctx K/V(1), begin(1) | layer 0 (waits 0) | ctx K/V(2), begin(2) | layer 1 ...
+    """
 
     attend: Attend
     ctx_index: torch.Tensor | None = None  # rows of the (local) context; None = all of them
+    gather_ahead: bool = False
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    """One layer's context K/V computed ahead, and the gather `begin` started from them (None: none)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    gathered: object | None = None
 
 
 def _on(index: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -82,13 +100,16 @@ class DFlashAttention(nn.Module):
         k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim))).transpose(1, 2)
         return _rope(k, cos, sin), self._heads(v, self.num_kv_heads)
 
-    def forward(self, x, ctx, rope_q, rope_ctx, attend: Attend) -> torch.Tensor:
+    def forward(self, x, ctx, rope_q, rope_ctx, attend: Attend, context: LayerContext | None = None) -> torch.Tensor:
+        """`context`: this layer's context K/V computed ahead (then `ctx` / `rope_ctx` are not used)."""
         q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))).transpose(1, 2)
         v = self._heads(self.v_proj(x), self.num_kv_heads)
         q, k = _rope(q, *rope_q), _rope(k, *rope_q)
-        k_ctx, v_ctx = self.context_kv(ctx, *rope_ctx)
-        out, _ = attend(q, torch.cat([k_ctx, k], dim=2), torch.cat([v_ctx, v], dim=2))
+        if context is None:
+            context = LayerContext(*self.context_kv(ctx, *rope_ctx))
+        extra = {} if context.gathered is None else {"gathered": context.gathered}
+        out, _ = attend(q, torch.cat([context.k, k], dim=2), torch.cat([context.v, v], dim=2), **extra)
         return self.o_proj(out.transpose(1, 2).flatten(-2))
 
 
@@ -110,11 +131,11 @@ class DFlashDecoderLayer(nn.Module):
             )
             self.attention_conv, self.mlp_conv = DFlashGroupedConv(*args), DFlashGroupedConv(*args)
 
-    def forward(self, x, ctx, rope_q, rope_ctx, attend: Attend) -> torch.Tensor:
+    def forward(self, x, ctx, rope_q, rope_ctx, attend: Attend, context: LayerContext | None = None) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.attention_conv is not None:
             h, coef = self.attention_conv.prepare(h)
-        h = self.self_attn(h, ctx, rope_q, rope_ctx, attend)
+        h = self.self_attn(h, ctx, rope_q, rope_ctx, attend, context)
         if self.attention_conv is not None:
             h = self.attention_conv.finish(h, coef)
         x = x + h
@@ -254,19 +275,30 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         rope_q = self.rotary_emb(x, _on(position_ids, x.device).reshape(1, -1))
         rope_ctx_all = self.rotary_emb(ctx, _on(context_position_ids, ctx.device).reshape(1, -1))
         selected: dict[str, tuple] = {}
-        for layer in self.layers:
-            spec = attention[layer.layer_type]
-            if layer.layer_type not in selected:  # context rows (and their RoPE) per layer type, once
+
+        def context_rows(kind: str) -> tuple:  # context rows (and their RoPE) per layer type, once
+            if kind not in selected:
+                spec = attention[kind]
                 if spec.ctx_index is None:
-                    selected[layer.layer_type] = (ctx, rope_ctx_all)
+                    selected[kind] = (ctx, rope_ctx_all)
                 else:
                     idx = _on(spec.ctx_index, ctx.device)
-                    selected[layer.layer_type] = (
-                        ctx.index_select(1, idx),
-                        tuple(t.index_select(1, idx) for t in rope_ctx_all),
-                    )
-            ctx_l, rope_ctx = selected[layer.layer_type]
-            x = layer(x, ctx_l, rope_q, rope_ctx, spec.attend)
+                    selected[kind] = (ctx.index_select(1, idx), tuple(t.index_select(1, idx) for t in rope_ctx_all))
+            return selected[kind]
+
+        def ahead(i: int) -> LayerContext | None:  # layer i's context K/V and its gather, started now
+            if i >= len(self.layers) or not attention[self.layers[i].layer_type].gather_ahead:
+                return None
+            layer = self.layers[i]
+            ctx_l, rope_ctx = context_rows(layer.layer_type)
+            k_ctx, v_ctx = layer.self_attn.context_kv(ctx_l, *rope_ctx)
+            return LayerContext(k_ctx, v_ctx, attention[layer.layer_type].attend.begin(k_ctx, v_ctx))
+
+        upcoming = ahead(0)
+        for i, layer in enumerate(self.layers):
+            current, upcoming = upcoming, ahead(i + 1)  # layer i + 1's gather runs behind layer i
+            ctx_l, rope_ctx = context_rows(layer.layer_type)
+            x = layer(x, ctx_l, rope_q, rope_ctx, attention[layer.layer_type].attend, current)
         return self.norm(x)
 
 

@@ -35,6 +35,7 @@ after its backward was launched and with no build running.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -65,12 +66,13 @@ class AttentionOptions:
     regather: bool = False
     schedule: str | None = None
     pack_gqa: bool | None = None
+    gather_ahead: bool = False
 
     def build(self, plan: DrafterPlan) -> dict[str, LayerAttention]:
         return plan_attention(
             plan, group=self.group, backend=self.backend, communicate=self.communicate,
             stats=COMM_STATS if self.stats is None else self.stats,
-            regather=self.regather, schedule=self.schedule, pack_gqa=self.pack_gqa,
+            regather=self.regather, schedule=self.schedule, pack_gqa=self.pack_gqa, gather_ahead=self.gather_ahead,
         )  # fmt: skip
 
 
@@ -103,7 +105,7 @@ class StagedIndices:
 
     def with_context_rows(self, attention: Mapping[str, LayerAttention]) -> dict[str, LayerAttention]:
         """The model's `attention` argument with each layer type's context rows taken from here."""
-        return {kind: LayerAttention(layer.attend, self.ctx_index[kind]) for kind, layer in attention.items()}
+        return {kind: dataclasses.replace(layer, ctx_index=self.ctx_index[kind]) for kind, layer in attention.items()}
 
 
 def stage_indices(plan: DrafterPlan, blocks: BlockTargets, device: torch.device | str) -> StagedIndices:

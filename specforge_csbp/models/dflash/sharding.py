@@ -340,7 +340,12 @@ class MergedAttention:
     def prepare(self, device: torch.device | str, groups: int) -> None:
         self.local.prepare(device, groups)
 
-    def __call__(self, q, k, v, *, scale=None):
+    def begin(self, k_lead, v_lead) -> None:
+        """Nothing to gather ahead (returns None): CP gathers the partial outputs, after its call."""
+
+    def __call__(self, q, k, v, *, scale=None, gathered=None):
+        if gathered is not None:
+            raise ValueError("gathered: CP gathers no K/V (begin returned None)")
         out, lse = self.local(q, k, v, scale=scale)
         # every rank's partial result; backward reduce-scatters (each rank's replica fed its own loss copy)
         gather = dict(group=self.group, stats=self.stats, communicate=self.communicate, label="_partials")
@@ -361,8 +366,11 @@ def plan_attention(
     regather: bool = False,
     schedule: str | None = None,
     pack_gqa: bool | None = None,
+    gather_ahead: bool = False,
 ) -> dict[str, LayerAttention]:
     """The model's `attention` argument for this rank's plan (one executor per layer type).
+    `gather_ahead`: layer types whose plan gathers context K/V (CSBP) start that gather one layer early
+    (`LayerAttention.gather_ahead`).
     `regather`: free each layer's gathered context K/V after forward and gather it again in backward.
     `schedule`: ShardedAttention's ("fused" by default, "overlap" when regather); `pack_gqa`: the seam's
     GQA head packing (None: decided per call from the block masks)."""
@@ -373,9 +381,10 @@ def plan_attention(
             group=group if plan.world_size > 1 else None, backend=backend, communicate=communicate, stats=stats,
             regather=regather, schedule=schedule, pack_gqa=pack_gqa,
         )  # fmt: skip
+        ahead = gather_ahead and lp.shard.communicates and not lp.merge
         if lp.merge:
             attn = MergedAttention(attn, group, stats, communicate)
-        out[kind] = LayerAttention(attn, lp.ctx_index)
+        out[kind] = LayerAttention(attn, lp.ctx_index, ahead)
     return out
 
 

@@ -165,11 +165,13 @@ def drafter_step(
     regather: bool = False,
     schedule: str | None = None,
     pack_gqa: bool | None = None,
+    gather_ahead: bool = False,
 ) -> StepResult:
     """Forward + backward of one step; gradients land in model parameters (summed over the group).
     `prepared`: this step's `prepare_step(...)` result, or a PreparedStep (prefetch.py: its attention
     masks built and its indices staged on the device ahead too), if computed ahead of time. Indices not
-    staged ahead are copied here, once each (`stage_indices`)."""
+    staged ahead are copied here, once each (`stage_indices`). `gather_ahead`: CSBP layers start their
+    context K/V gather one layer early (`LayerAttention.gather_ahead`); same result, other overlap."""
     if mode not in DRAFTER_MODES:
         raise ValueError(f"mode must be one of {', '.join(DRAFTER_MODES)}; got {mode!r}")
     if not samples:
@@ -181,7 +183,7 @@ def drafter_step(
 
     options = AttentionOptions(
         group=group, backend=backend, communicate=communicate, stats=stats, regather=regather,
-        schedule=schedule, pack_gqa=pack_gqa,
+        schedule=schedule, pack_gqa=pack_gqa, gather_ahead=gather_ahead,
     )  # fmt: skip
     ahead: list | None = None  # per work item, attention built ahead (masks included)
     staged_ahead: list | None = None  # per work item, StagedIndices on the device
