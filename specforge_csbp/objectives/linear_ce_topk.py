@@ -52,7 +52,11 @@ class _LinearCETopK(torch.autograd.Function):
                 top_v[lo:hi, 0], top_i[lo:hi, 0] = best, best_id
             elif top_k:
                 top_v[lo:hi], top_i[lo:hi] = _acc(raw).topk(top_k, dim=-1)
+            del raw  # before the next chunk's GEMM output exists: one chunk of logits at a time
         ctx.save_for_backward(hidden, weight, targets, lse, top_i)
+        # an output no loss used (the top-k values without a selector) gets None, not a zero tensor: its
+        # scatter, and the fp32 gradient buffer it needs, are skipped
+        ctx.set_materialize_grads(False)
         ctx.chunk_size, ctx.fused = chunk_size, fused
         ctx.kept = kept  # intermediate results, not inputs: held on ctx until backward
         ctx.mark_non_differentiable(top_i)
@@ -84,6 +88,7 @@ class _LinearCETopK(torch.autograd.Function):
                 d_hidden[lo:hi] = torch.matmul(dz.to(weight.dtype), weight).to(hidden.dtype)
             if need_w:
                 d_weight += torch.matmul(dz.t(), hidden[lo:hi].to(acc))
+            del raw, dz  # before the next chunk's: one chunk's logits and gradient at a time
         return d_hidden, None if d_weight is None else d_weight.to(weight.dtype), None, None, None, None, None
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "bdlm_step_memory",
     "drafter_step_memory",
     "layer_activation_bytes_per_row",
+    "loss_chunk_bytes",
 ]
 
 ATTENTION_BACKENDS = ("flex", "dense")
@@ -160,6 +161,13 @@ def bdlm_step_memory(
     )  # fmt: skip
 
 
+def loss_chunk_bytes(vocab: int, chunk_rows: int, elem_bytes: int, top_k: int) -> int:
+    """Peak bytes of one chunk of `linear_ce_topk` with its arithmetic compiled (objectives/ce_chunk.py, the
+    GPU path): the logits in the GEMM dtype and their gradient in it, plus, for a top-k with k > 1, the fp32
+    copy the top-k reads (forward) / the fp32 gradient the top-k scatter needs (backward)."""
+    return chunk_rows * vocab * (2 * elem_bytes + (4 if top_k > 1 else 0))
+
+
 def drafter_step_memory(
     shape: ModelShape,
     per_window: dict[int | None, DrafterRankStats],
@@ -176,8 +184,12 @@ def drafter_step_memory(
     projection output (k-norm saves its input, a view that keeps the whole output alive) and the K/V of
     `cat([context, block])` that the attention saves: 2 x (2 Hk D) per row. Sliding-window layer types
     select their context rows once (`index_select`, saved as the K/V projection's input): h per selected
-    row. Loss: `linear_ce_topk` holds three fp32 [chunk, V] buffers at its backward peak (logits,
-    logits - lse, their exp / the gradient), plus `kept_logits` bytes when the logits are kept for backward."""
+    row. Loss (`linear_ce_topk` with the per-chunk arithmetic compiled, as on a GPU: objectives/ce_chunk.py):
+    the chunk's logits in the GEMM dtype and their gradient - in the GEMM dtype too, unless the selector's
+    top-k (k > 1) needs an fp32 copy of the logits in forward and an fp32 gradient (the top-k scatter at
+    full precision) cast back for the GEMM in backward: [chunk, V] x (2 e) or (e + 4 + e) bytes; plus
+    `kept_logits` bytes when the logits are kept for backward. (Before session 6 the chunk took three fp32
+    buffers, 12 bytes per element; profile-era predictions used that.)"""
     any_stats = next(iter(per_window.values()))
     ctx = max(st.context_rows for st in per_window.values())
     kv_row = 2 * shape.kv_heads * shape.head_dim * elem_bytes
@@ -193,7 +205,8 @@ def drafter_step_memory(
     ctx_kv += selected * shape.hidden * elem_bytes
     biggest = max((st.received_rows + st.gather_width) * kv_row for st in per_window.values())
     blocks = shape.layers * any_stats.block_rows * layer_activation_bytes_per_row(shape, elem_bytes)
-    loss = 3 * min(ce_chunk, max(any_stats.block_rows, 1)) * shape.vocab * 4 + kept_logits
+    loss = loss_chunk_bytes(shape.vocab, min(ce_chunk, max(any_stats.block_rows, 1)), elem_bytes, shape.selector_top_k)
+    loss += kept_logits
     states = shape.trainable_params * state_bytes + shape.frozen_params * elem_bytes
     return MemoryBreakdown(
         states=states / GiB, activations=(fc + ctx_kv + blocks) / GiB, buffers=(feats + gathered + biggest) / GiB,
