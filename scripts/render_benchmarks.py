@@ -25,6 +25,9 @@ PREDICT = [
     "--profile",
     "h200x2-2026-11-30-c",  # session 7's calibration: the drafter's rates with the code that ran session 7
     "sft=h200x2-2026-11-30-b",  # session 5's: the only one that measured Qwen3-1.7B's own SFT layer
+    # the library digest of record files written before records carried one (benchmarks/README.md)
+    "--code-by-file",
+    "benchmarks/results-code.json",
 ]
 
 if __name__ == "__main__":

@@ -37,8 +37,12 @@ class BenchRecord(BaseModel):
     exposed_comm_ms: float | None = None  # attention records
 
 
-def load_records(paths: list[str | os.PathLike] | str | os.PathLike) -> list[BenchRecord]:
-    """Read records from files or directories (*.json: a list or one object; *.jsonl: one per line)."""
+def load_records(
+    paths: list[str | os.PathLike] | str | os.PathLike, *, code_by_file: dict[str, str] | None = None
+) -> list[BenchRecord]:
+    """Read records from files or directories (*.json: a list or one object; *.jsonl: one per line).
+    `code_by_file`: file name -> the library digest its records ran (bench/provenance.py), for records
+    written before they carried `code` themselves; a record's own `code` wins."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     files: list[Path] = []
@@ -53,6 +57,9 @@ def load_records(paths: list[str | os.PathLike] | str | os.PathLike) -> list[Ben
         else:
             data = json.loads(text)
             items = data if isinstance(data, list) else [data]
+        code = (code_by_file or {}).get(f.name)
+        if code is not None:
+            items = [{"code": code, **item} for item in items]
         records.extend(BenchRecord.model_validate(item) for item in items)
     return records
 

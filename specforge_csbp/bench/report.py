@@ -212,8 +212,8 @@ def _prediction_summary(
     if same_code is not None:
         tps, mem = stat([(r, p) for r, p in pairs if same_code(r)])
         lines.append(f"Planner (`specforge-csbp plan`) against the measurements of the code its profile calibrated "
-                     f"(same library digest `code`; without one, measured on or after the calibration date): tokens/s "
-                     f"error {tps}; peak memory error {mem}.")  # fmt: skip
+                     f"(same library digest `code`; for a profile without one, measured on or after its calibration "
+                     f"date): tokens/s error {tps}; peak memory error {mem}.")  # fmt: skip
     tps, mem = stat(pairs)
     lines.append(f"Planner against {'all ' if same_code else ''}these measurements: tokens/s error {tps}; "
                  f"peak memory error {mem}.")  # fmt: skip
@@ -297,11 +297,13 @@ def write_report(
     predictor: Predictor | None = None,
     predictor_note: str = "",
     same_code: Callable[[BenchRecord], bool] | None = None,
+    code_by_file: dict[str, str] | None = None,
 ) -> list[BenchRecord]:
-    """Load every record under `results`, write the markdown (and optionally the CSV); returns the records."""
+    """Load every record under `results`, write the markdown (and optionally the CSV); returns the records.
+    `code_by_file`: library digests of record files written before records carried one (load_records)."""
     paths = results if isinstance(results, list) else [results]
     existing = [p for p in paths if Path(p).exists()]
-    records = load_records(existing) if existing else []
+    records = load_records(existing, code_by_file=code_by_file) if existing else []
     source = ", ".join(Path(p).as_posix().rstrip("/") + ("/" if Path(p).is_dir() else "") for p in paths)
     text = render_markdown(records, doc_path=doc_path, img_dir=img_dir, title=title, source=source,
                            generator=generator, predictor=predictor, predictor_note=predictor_note,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
+from pathlib import Path
 
 from ..bench.records import BenchRecord
 from ..bench.report import write_report
@@ -23,6 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="put the planner's prediction beside every ok record of WORKLOAD (model config.json)")
     p.add_argument("--profile", nargs="+", default=["h200-nominal"], metavar="[WORKLOAD=]PROFILE",
                    help="machine profile for --predict (JSON or built-in); WORKLOAD=PROFILE: that workload's own")
+    p.add_argument("--code-by-file", default=None, metavar="JSON",
+                   help="{record file name: library digest} for records written before they carried `code`")
     p.set_defaults(func=run)
 
 
@@ -48,19 +52,20 @@ def run(args: argparse.Namespace) -> int:
         note = (f"Planner predictions use the profile `{default_name}` ({profile.summary()})"
                 + "".join(f"; for `{w}` the profile `{own_names[w]}` ({p.summary()})" for w, p in sorted(own.items()))
                 + " and the model configs " + ", ".join(f"`{w}`: `{c}`" for w, c in sorted(models.items())) + ".")
+    code_by_file = json.loads(Path(args.code_by_file).read_text()) if args.code_by_file else None
     records = write_report(args.results, args.out, img_dir=args.img_dir, csv_path=args.csv, title=args.title,
-                           predictor=predictor, predictor_note=note, same_code=same_code)
+                           predictor=predictor, predictor_note=note, same_code=same_code, code_by_file=code_by_file)
     print(f"report: {len(records)} records -> {args.out}")
     return 0
 
 
 def _ran_calibrated_code(r: BenchRecord, *, profile, own: dict) -> bool:
-    """Did `r` run the code its profile calibrated: the same library digest when both carry one
-    (bench/provenance.py), else measured on or after the calibration date."""
+    """Did `r` run the code its profile calibrated: for a profile that names its code (bench/provenance.py),
+    the record's digest is the same (a record without one ran unknown code: no); for an older profile,
+    the record was measured on or after the calibration date."""
     machine = own.get(r.workload, profile)
-    code = (r.model_extra or {}).get("code")
-    if machine.code and code:
-        return code == machine.code
+    if machine.code:
+        return (r.model_extra or {}).get("code") == machine.code
     return r.date >= machine.date
 
 
