@@ -111,7 +111,9 @@ def parse_args(argv=None):
     p.add_argument("--anchors", default="512,2048", help="anchors per sequence, comma separated")
     p.add_argument("--world-size", type=int, default=None, help="must equal the launch's world size if given")
     p.add_argument("--block-size", type=int, default=None, help="must equal the shape's block size if given")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps at least (then on until steady)")
+    p.add_argument("--warmup", type=int, default=4,
+                   help="untimed steps at least, then on until a step compiles nothing (CSBP's per-rank "
+                   "row counts can first change in a late step: a static kernel recompiled then)")
     p.add_argument("--max-warmup", type=int, default=8,
                    help="untimed steps at most: warm-up runs on while a step compiles new graphs (bench/isolation.py)")
     p.add_argument("--iters", type=int, default=3)

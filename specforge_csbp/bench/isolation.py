@@ -14,7 +14,10 @@ of its lengths changes for the first time, and a drafter step's lengths change e
 per step). Two fixed warm-up steps were not always enough: on 2 H200 (session 7) CSBP's overlap schedule,
 which has P seam calls per layer where fused has one, compiled 2 graphs during its 3 timed steps at 64K and
 256K, and the median step then was a compiling one (1535 ms against 813 ms fused). So the warm-up runs on
-until a step compiles nothing new; the timed steps still report what they compiled.
+until a step compiles nothing new; the timed steps still report what they compiled. A shape that changes
+for the first time after the warm-up (CSBP's per-rank block count can repeat for a few steps: anchors are
+owned by cost, not by count) still recompiles once in the timed steps - hence at least 4 warm-up steps in
+benchmarks/drafter_bench.py, and the median of the timed steps.
 
     step:      1      2      3      4      5 ...
     new graphs 5      2      1      0  ->  timed steps start (at least `min_steps`, at most `max_steps`)
