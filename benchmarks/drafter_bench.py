@@ -62,6 +62,7 @@ from specforge_csbp.models.dflash import (
     make_dflash_config,
     plan_attention,
 )
+from specforge_csbp.models.dflash.configuration import DFlashConfig
 from specforge_csbp.models.dflash.prefetch import AttentionOptions, StepPrefetcher, stage_indices
 from specforge_csbp.models.dflash.sharding import prepare_plan_attention, reference_attention
 from specforge_csbp.models.dflash.step import prepare_step
@@ -102,6 +103,8 @@ def parse_size(text: str) -> int:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=["a", "b", "tiny"], default="a", help="tiny: the --smoke shape")
+    p.add_argument("--draft-config", default=None,
+                   help="a drafter config.json (drafter_configs/) instead of --shape: the drafter a recipe trains")
     p.add_argument("--dflash2", action=argparse.BooleanOptionalAction, default=None,
                    help="conv + selector on/off (default: on for shape a, off for b)")  # fmt: skip
     p.add_argument("--modes", default="csbp,cp,dp", help=f"comma separated, of {', '.join(ALL_MODES)}")
@@ -153,6 +156,13 @@ def parse_args(argv=None):
 
 # -- setup ----------------------------------------------------------------------------------------------
 def build_config(args):
+    if args.draft_config:  # exactly the drafter a recipe trains (benchmarks/plugin_setup.py builds its data)
+        config = DFlashConfig.from_json_file(args.draft_config)
+        if args.dflash2 is not None and args.dflash2 != config.is_dflash2:
+            raise SystemExit(f"--draft-config {args.draft_config} is {config.architecture}; drop --dflash2 / --no-dflash2")
+        if args.block_size is not None and args.block_size != config.draft_block_size:
+            raise SystemExit(f"--block-size {args.block_size} != the config's block size {config.draft_block_size}")
+        return os.path.splitext(os.path.basename(args.draft_config))[0], config
     shape = dict(SHAPES["tiny" if args.smoke else args.shape])
     name = shape.pop("name")
     if args.dflash2 is not None:
@@ -771,8 +781,9 @@ def main(argv=None):
         spawn(_smoke_worker, 2, args, timeout_s=300)
         env = Env(args)  # the 1-process points: ours on one rank, then SpecForge's own model (DFlash)
         records = run_points(args, env, [("csbp", 256, 13)])
-        args.dflash2 = False
-        records += run_points(args, env, [("csbp", 256, 13), ("specforge", 256, 13)])
+        if not args.draft_config:  # a config file is one drafter: no DFlash variant of it to put beside SpecForge
+            args.dflash2 = False
+            records += run_points(args, env, [("csbp", 256, 13), ("specforge", 256, 13)])
         if not all(r.status == "ok" for r in records):
             raise SystemExit("smoke run had failures")
         return 0

@@ -124,5 +124,19 @@ case "${1:-1}" in
   stage 120 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp,dp --contexts 128K --anchors 2048 --out "$R"
   stage 90 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 128K --anchors 512 --reverse-queries --out "$R"
   ;;
+14)
+  # `specforge train --csbp` itself on 2 GPUs at 128K (SpecForge's trainer with the plugin's look-ahead and
+  # feature prefetch), on a head-only random target and a random store (benchmarks/plugin_setup.py: 6 samples,
+  # 40 GB in /tmp; a step trains 2 samples, so 3 steps), then the same drafter in the benchmark. Read
+  # perf/optimizer_step_time_s of steps 2-3 (per 2 samples) against 2 x the benchmark's CSBP step.
+  P=/tmp/plugin
+  stage 200 python3 benchmarks/plugin_setup.py --draft-config drafter_configs/qwen3.6-27b-dflash2.json \
+    --context 128K --samples 6 --out $P --overwrite
+  stage 330 python3 -m specforge_csbp train --csbp -c examples/long_context/qwen3.6-27b-dflash2-256k.yaml \
+    model.target_model_path=$P/target data.hidden_states_path=$P/store data.max_length=131072 \
+    output_dir=$P/output csbp.anchor_sampling=uniform training.log_interval=1
+  stage 150 torchrun --nproc-per-node 2 $B --draft-config drafter_configs/qwen3.6-27b-dflash2.json --modes cp,csbp \
+    --contexts 128K --anchors 512 --out "$R"
+  ;;
 esac
 echo "== $(date -u +%T) done"

@@ -1,7 +1,10 @@
 """The drafter benchmark's --smoke run executes every code path on CPU (2 gloo ranks + 1-process points) and
 writes valid shared benchmark records."""
 
-from bench_smoke import run_bench_smoke
+import subprocess
+import sys
+
+from bench_smoke import ROOT, run_bench_smoke
 
 from specforge_csbp.bench.provenance import library_digest
 
@@ -39,3 +42,21 @@ def test_drafter_bench_smoke_reversed_queries_and_gather_ahead(tmp_path):
         assert extra.get("gather_ahead") is (None if r.mode == "specforge" else True)
         if r.mode != "specforge":  # reversed seam against the dense seam in row order, float32
             assert extra["check_rel_err"] < 1e-4
+
+
+def test_drafter_bench_runs_a_drafter_config_file(tmp_path):
+    """--draft-config: the drafter a recipe trains (benchmarks/plugin_setup.py's comparison), our modes on 2
+    gloo ranks and one at a tiny context (no SpecForge point: that compares plain DFlash of a built-in shape)."""
+    records = run_bench_smoke("benchmarks/drafter_bench.py", tmp_path / "r.jsonl",
+                              "--draft-config", "examples/quickstart_drafter.json")  # fmt: skip
+    assert {(r.mode, r.world_size) for r in records} == {("csbp", 2), ("cp", 2), ("dp", 2), ("csbp", 1)}
+    for r in records:
+        assert r.status == "ok" and r.workload == "drafter-quickstart_drafter" and r.block_size == 4
+        assert (r.model_extra or {})["dflash2"] is True  # what the file says
+
+
+def test_drafter_bench_refuses_a_dflash2_flag_that_contradicts_the_config_file():
+    proc = subprocess.run([sys.executable, "benchmarks/drafter_bench.py", "--smoke", "--no-dflash2", "--draft-config",
+                           "examples/quickstart_drafter.json"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, check=False)  # fmt: skip
+    assert proc.returncode != 0 and "is DFlash2DraftModel; drop --dflash2 / --no-dflash2" in proc.stdout + proc.stderr
