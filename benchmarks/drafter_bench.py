@@ -49,6 +49,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from specforge_csbp.attention import order
+from specforge_csbp.bench.grid import parse_size
 from specforge_csbp.bench.isolation import compiled_graphs, fresh_point, warm_up
 from specforge_csbp.bench.provenance import library_digest
 from specforge_csbp.bench.records import BenchRecord, write_records
@@ -92,12 +93,6 @@ SHAPES = {
 OUR_MODES = ("csbp", "cp", "dp")
 ALL_MODES = OUR_MODES + ("specforge",)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper()
-    scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
-    return int(text[:-1] if scale > 1 else text) * scale
 
 
 def parse_args(argv=None):

@@ -56,11 +56,6 @@ class ShardPlan:
     def communicates(self) -> bool:
         return self.world_size > 1 and self.gather_len > 0
 
-    @property
-    def own_segment(self) -> slice:
-        """This rank's segment of the gathered buffer: all PAD in `remote_kv_tokens` (its rows are local)."""
-        return slice(self.rank * self.gather_len, (self.rank + 1) * self.gather_len)
-
     def segment_tokens(self, rank: int) -> TokenSet:
         """Tokens of rank `rank`'s segment of the gathered buffer (all PAD for this rank's own)."""
         width = self.gather_len

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,9 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RotaryEmbedd
 from .configuration import DFLASH2_ARCH, DFLASH_ARCH, DFlashConfig
 from .conv import DFlashGroupedConv
 from .selector import CandidateSelector
+
+if TYPE_CHECKING:  # annotation only: the model runs with any attend callable
+    from ...distributed.collectives import GatherHandle
 
 __all__ = ["DFlash2DraftModel", "DFlashDraftModel", "DFlashPreTrainedModel", "LayerAttention", "LayerContext"]
 
@@ -61,7 +65,7 @@ class LayerContext:
 
     k: torch.Tensor
     v: torch.Tensor
-    gathered: object | None = None
+    gathered: GatherHandle | None = None
 
 
 def _on(index: torch.Tensor, device: torch.device) -> torch.Tensor:
