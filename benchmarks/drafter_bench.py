@@ -130,8 +130,9 @@ def parse_args(argv=None):
                    help="build the next step's attention masks in a worker thread on a side stream (prefetch.py)")
     p.add_argument("--pack-gqa", choices=["auto", "on", "off"], default="auto",
                    help="GQA head packing in the attention seam (auto: decided from the block masks)")
-    p.add_argument("--gather-ahead", action="store_true",
-                   help="CSBP: start each layer's context K/V gather one layer early (LayerAttention.gather_ahead)")
+    p.add_argument("--gather-ahead", action=argparse.BooleanOptionalAction, default=True,
+                   help="CSBP: start each layer's context K/V gather one layer early (LayerAttention.gather_ahead; "
+                   "default since session 8, docs/performance.md); --no-gather-ahead: gather in front of each layer")
     p.add_argument("--reverse-queries", action="store_true",
                    help="run every attention kernel over its query rows last first (attention/order.py; every mode)")
     p.add_argument("--check-context", type=int, default=0,
@@ -670,7 +671,7 @@ def run_points(args, env, points):
                     "context_len": L, "block_size": config.draft_block_size, "anchors": N, "dflash2": config.is_dflash2,
                     "regather": args.regather, "schedule": args.schedule, "pack_gqa": args.pack_gqa,
                     **({"reverse_queries": True} if args.reverse_queries and mode != "specforge" else {}),
-                    **({"gather_ahead": True} if args.gather_ahead and mode != "specforge" else {}),
+                    **({} if mode == "specforge" else {"gather_ahead": args.gather_ahead}),
                     **({} if mode == "specforge" else {"prefetch_masks": args.prefetch_masks}), "fresh_compile": True, "start_allocated_gib": held,
                     **({"keep_logits_gib": args.keep_logits_gib} if args.keep_logits_gib and mode != "specforge" else {}),
                     **({"check_rel_err": checked[mode]} if mode in checked else {}),

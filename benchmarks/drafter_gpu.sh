@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 4 GPU runs (2 GPUs), in parts of < 10 min each: bash benchmarks/drafter_gpu.sh 1|2|3|4
+# Issue 4 GPU runs (2 GPUs), in parts of < 10 min each: bash benchmarks/drafter_gpu.sh N (N = 1-17)
 # Every stage has its own time limit so one slow stage cannot take the others' time; records are written
 # point by point. Earlier forms of these parts: benchmarks/logs/drafter_h200x2_2026-11-29{,_b}.log.
 # Part 1: why CSBP loses at 512K / 512 anchors (session 3: 0.88x CP, ceiling 1.19x, ~180 ms per step outside
@@ -104,25 +104,29 @@ case "${1:-1}" in
     --anchors 512 --no-components --keep-logits-gib 16 --out "$R"
   ;;
 12)
-  # Next session, first (session 7 built after its GPU time: warm-up to a steady compile state, the
-  # --reverse-queries switch, --gather-ahead). 1M / 512 is the one shape-a point under 95% of its ceiling
+  # Session 8, first (session 7 built after its GPU time: warm-up to a steady compile state, the
+  # --reverse-queries switch, --gather-ahead). 1M / 512 was the one shape-a point under 95% of its ceiling
   # (fused 94.5%; the overlap schedule was 2% faster in its own launch; CSBP's exposed communication was
   # 22 ms): fused with DP (the missing DP point, last: an OOM ends the launch), then overlap, reversed
-  # queries and the gather one layer ahead, each side by side with CP.
-  stage 150 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp,dp --contexts 1M --anchors 512 --out "$R"
-  stage 130 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 1M --anchors 512 --schedule overlap --out "$R"
-  stage 130 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 1M --anchors 512 --reverse-queries --out "$R"
+  # queries and the gather one layer ahead, each side by side with CP. Session 8 ran parts 12 and 13 before
+  # the gather ahead became the default; --no-gather-ahead reproduces them.
+  NG=--no-gather-ahead
+  stage 150 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp,dp --contexts 1M --anchors 512 $NG --out "$R"
+  stage 130 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 1M --anchors 512 --schedule overlap $NG --out "$R"
+  stage 130 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 1M --anchors 512 --reverse-queries $NG --out "$R"
   stage 130 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 1M --anchors 512 --gather-ahead --out "$R"
   ;;
 13)
   # 512K / 512 with DP; the schedule crossover with a steady warm-up (session 7's overlap records at 64K /
-  # 256K compiled during their timed steps); DP at 128K / 2048; reversed queries at 128K.
-  stage 130 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp,dp --contexts 512K --anchors 512 --out "$R"
+  # 256K compiled during their timed steps); DP at 128K / 2048; reversed queries at 128K. (The 256K overlap
+  # stage's CSBP run needs more than its 90 s.)
+  NG=--no-gather-ahead
+  stage 130 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp,dp --contexts 512K --anchors 512 $NG --out "$R"
   for L in 64K 256K; do
-    stage 90 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts $L --anchors 2048 --schedule overlap --out "$R"
+    stage 90 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts $L --anchors 2048 --schedule overlap $NG --out "$R"
   done
-  stage 120 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp,dp --contexts 128K --anchors 2048 --out "$R"
-  stage 90 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 128K --anchors 512 --reverse-queries --out "$R"
+  stage 120 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp,dp --contexts 128K --anchors 2048 $NG --out "$R"
+  stage 90 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 128K --anchors 512 --reverse-queries $NG --out "$R"
   ;;
 14)
   # `specforge train --csbp` itself on 2 GPUs at 128K (SpecForge's trainer with the plugin's look-ahead and
@@ -137,6 +141,25 @@ case "${1:-1}" in
     output_dir=$P/output csbp.anchor_sampling=uniform training.log_interval=1
   stage 150 torchrun --nproc-per-node 2 $B --draft-config drafter_configs/qwen3.6-27b-dflash2.json --modes cp,csbp \
     --contexts 128K --anchors 512 --out "$R"
+  ;;
+15)
+  # Session 8, after 12 and 13 (the gather ahead won at 1M / 512): the gather ahead at 512K / 512 and 1M / 512,
+  # then 1M / 512 gathering in front of each layer with DP again (part 12's records were not fetched).
+  stage 120 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 512K --anchors 512 --gather-ahead --out "$R"
+  stage 140 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts 1M --anchors 512 --gather-ahead --out "$R"
+  stage 150 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp,dp --contexts 1M --anchors 512 --no-gather-ahead --out "$R"
+  ;;
+16)
+  # Session 8: the gather ahead at the other shape-a points (does it ever lose?), side by side with CP.
+  for LN in 64K:512 256K:512 128K:2048 256K:2048; do
+    stage 110 torchrun --nproc-per-node 2 $B --shape a --modes cp,csbp --contexts ${LN%:*} --anchors ${LN#*:} --gather-ahead --out "$R"
+  done
+  ;;
+17)
+  # Session 8: shape b with today's code and the gather ahead (the recorded sweep predates session 6).
+  for L in 64K 256K 1M; do
+    stage 125 torchrun --nproc-per-node 2 $B --shape b --dflash2 --modes cp,csbp --contexts $L --anchors 512 --gather-ahead --out "$R"
+  done
   ;;
 esac
 echo "== $(date -u +%T) done"

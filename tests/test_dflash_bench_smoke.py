@@ -19,6 +19,7 @@ def test_drafter_bench_smoke(tmp_path):
         assert extra["anchors"] == 13 and extra["mfu"] > 0
         assert extra["code"] == library_digest()  # the library code that ran (bench/provenance.py)
         assert extra["warmup_steps"] == 1  # --smoke: one warm-up step, and nothing compiles on CPU to extend it
+        assert extra.get("gather_ahead") is (None if r.mode == "specforge" else True)  # on by default
         if r.mode != "specforge":  # ours: what the timed steps compiled / allocated (no compile on CPU)
             assert extra["timed_steps_health"] == {"compiled_graphs": 0.0}
         if r.mode in ("csbp", "cp") and r.world_size == 2:
@@ -28,18 +29,18 @@ def test_drafter_bench_smoke(tmp_path):
             )
 
 
-def test_drafter_bench_smoke_reversed_queries_and_gather_ahead(tmp_path):
-    """--reverse-queries and --gather-ahead reach every rank (the smoke run's path check compares our modes
+def test_drafter_bench_smoke_reversed_queries_and_gather_in_front(tmp_path):
+    """--reverse-queries and --no-gather-ahead reach every rank (the smoke run's path check compares our modes
     with the dense seam in row order, gathering in place) and are recorded on our modes only (SpecForge
-    runs its own attention)."""
+    runs its own attention); the default run (test above) records gather_ahead true."""
     records = run_bench_smoke(
-        "benchmarks/drafter_bench.py", tmp_path / "drafter.jsonl", "--reverse-queries", "--gather-ahead"
+        "benchmarks/drafter_bench.py", tmp_path / "drafter.jsonl", "--reverse-queries", "--no-gather-ahead"
     )
     for r in records:
         extra = r.model_extra or {}
         assert r.status == "ok"
         assert extra.get("reverse_queries") is (None if r.mode == "specforge" else True)
-        assert extra.get("gather_ahead") is (None if r.mode == "specforge" else True)
+        assert extra.get("gather_ahead") is (None if r.mode == "specforge" else False)
         if r.mode != "specforge":  # reversed seam against the dense seam in row order, float32
             assert extra["check_rel_err"] < 1e-4
 

@@ -92,6 +92,8 @@ def test_flags_fields_and_overrides_resolve_to_the_same_layout(tmp_path):
     assert prepare_run(_write(tmp_path), [], csbp=True).options.regather is False
     assert prepare_run(_write(tmp_path), [], csbp=True).options.prefetch_features is True
     assert prepare_run(_write(tmp_path), ["csbp.prefetch_features=false"], csbp=True).options.prefetch_features is False
+    assert prepare_run(_write(tmp_path), [], csbp=True).options.gather_ahead is True
+    assert prepare_run(_write(tmp_path), ["csbp.gather_ahead=false"], csbp=True).options.gather_ahead is False
     kept = prepare_run(_write(tmp_path), ["csbp.keep_logits_gib=6"], csbp=True)
     assert objective_for(kept.config, kept.options, 16).keep_logits_gib == 6.0
     assert objective_for(memory.config, memory.options, 16).keep_logits_gib == 0.0

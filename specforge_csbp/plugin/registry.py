@@ -213,6 +213,7 @@ def build_training_model(
         objective=objective_for(cfg, options, int(draft_model.block_size)),
         mode=mode, max_len=cfg.data.max_length, attention_backend=cfg.training.attention_backend,
         bucket=options.bucket, schedule=options.attention_schedule, regather=options.regather,
+        gather_ahead=options.gather_ahead,
         prefetch_features=options.prefetch_features,
     ).to(device=_device())  # fmt: skip
     return AlgorithmModelParts(model=model, capture_layers=ids)

@@ -74,6 +74,7 @@ class CSBPDrafterTrainingModel(nn.Module):
         bucket: int = 1,
         schedule: str | None = None,
         regather: bool = False,
+        gather_ahead: bool = True,
         prefetch_features: bool = True,
     ) -> None:
         super().__init__()
@@ -85,6 +86,7 @@ class CSBPDrafterTrainingModel(nn.Module):
         self.backend = BACKENDS.get(attention_backend, "auto")
         self.bucket = int(bucket)
         self.schedule, self.regather = schedule, bool(regather)  # ShardedAttention's (None: fused)
+        self.gather_ahead = bool(gather_ahead)  # LayerAttention.gather_ahead (CSBP layers that gather)
         # the prefetch worker also reads a sample's features from the store and copies them (side stream)
         self.prefetch_features = bool(prefetch_features)
         self._store = None
@@ -246,7 +248,8 @@ class CSBPDrafterTrainingModel(nn.Module):
         config = self.draft_model.config
         heads_per_kv = config.num_attention_heads // config.num_key_value_heads
         options = AttentionOptions(
-            group=groups.cp_group, backend=self.backend, regather=self.regather, schedule=self.schedule
+            group=groups.cp_group, backend=self.backend, regather=self.regather, schedule=self.schedule,
+            gather_ahead=self.gather_ahead,
         )
         prefetcher = self._prefetcher_for(options, heads_per_kv)
         n, outstanding = len(indices), self._outstanding

@@ -66,7 +66,7 @@ class AttentionOptions:
     regather: bool = False
     schedule: str | None = None
     pack_gqa: bool | None = None
-    gather_ahead: bool = False
+    gather_ahead: bool = True
 
     def build(self, plan: DrafterPlan) -> dict[str, LayerAttention]:
         return plan_attention(

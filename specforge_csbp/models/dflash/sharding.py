@@ -366,7 +366,7 @@ def plan_attention(
     regather: bool = False,
     schedule: str | None = None,
     pack_gqa: bool | None = None,
-    gather_ahead: bool = False,
+    gather_ahead: bool = True,
 ) -> dict[str, LayerAttention]:
     """The model's `attention` argument for this rank's plan (one executor per layer type).
     `gather_ahead`: layer types whose plan gathers context K/V (CSBP) start that gather one layer early

@@ -165,7 +165,7 @@ def drafter_step(
     regather: bool = False,
     schedule: str | None = None,
     pack_gqa: bool | None = None,
-    gather_ahead: bool = False,
+    gather_ahead: bool = True,
 ) -> StepResult:
     """Forward + backward of one step; gradients land in model parameters (summed over the group).
     `prepared`: this step's `prepare_step(...)` result, or a PreparedStep (prefetch.py: its attention
