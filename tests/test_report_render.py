@@ -92,7 +92,9 @@ def test_report_tables_speedups_plots_csv_deterministic(tmp_path):
         cells.append("bp oom" if at["bp"]["status"] == "oom" else
                      f"{at['csbp']['tokens_per_s'] / at['bp']['tokens_per_s']:.2f}x")  # fmt: skip
         line = next(x for x in text.splitlines() if x.startswith(f"| {ctx} | 2 | 16 | H200 | 2025-11-30"))
-        assert line.endswith(" | ".join(cells) + " | no |"), line  # these records do not say fresh_compile
+        number = next(x.split(".")[0] for x in text.splitlines() if x.endswith(f"`{at['csbp']['command']}`"))
+        # the run the group came from, then "no": these records do not say fresh_compile
+        assert line.endswith(" | ".join(cells) + f" | [{number}] | no |"), line
     recs = load_records(tmp_path / "results")
     spd = {(s.key[0], s.key[1], s.key[4], s.other_mode): s for s in speedups(recs)}
     assert not any(k[2] == "2025-12-01" for k in spd)  # the lone second-day record has no partner
@@ -142,6 +144,35 @@ def test_speedup_table_says_whether_every_mode_compiled_fresh(tmp_path):
     rows = {line.split("|")[1].strip(): line.rstrip(" |").rsplit("|", 1)[-1].strip()
             for line in table.splitlines() if line[:3] in ("| 6", "| 1", "| 2")}  # fmt: skip
     assert rows == {"65536": "yes", "131072": "no", "262144": "yes"}, table
+
+
+def test_speedup_table_names_the_configuration_that_tells_its_rows_apart(tmp_path):
+    """Groups of one context that differ only in configuration fields (here gather_ahead and anchors; one
+    record from before a switch existed) get those fields as columns and the run they came from; a field
+    that is the same everywhere (dtype) gets none."""
+    recs = []
+    for launch, extra in enumerate(({"anchors": 512}, {"anchors": 512, "gather_ahead": True},
+                                    {"anchors": 2048, "gather_ahead": False})):  # fmt: skip
+        for mode, tps in (("cp", 100.0), ("csbp", 110.0 + launch)):
+            r = _rec("drafter", mode, 1 << 20, tps, dtype="bfloat16", **extra)
+            r["command"] = f"bench launch {launch}"
+            recs.append(r)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    text, _ = _render(tmp_path, "config")
+    table = text.split("### CSBP speedup, measured side by side")[1].split("### Runs")[0]
+    lines = [line for line in table.splitlines() if line.startswith("| ")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert header[5:7] == ["anchors", "gather_ahead"] and "dtype" not in header, header
+    rows = {tuple(c.strip() for c in line.strip("|").split("|"))[5:] for line in lines[1:]}
+    runs = text.split("### Runs")[1]
+    number = {f"bench launch {i}": line.split(".")[0] for line in runs.splitlines() for i in range(3)
+              if line.endswith(f"`bench launch {i}`")}  # fmt: skip
+    assert rows == {
+        ("512", "—", "110.0", "1.10x", f"[{number['bench launch 0']}]", "no"),
+        ("512", "true", "111.0", "1.11x", f"[{number['bench launch 1']}]", "no"),
+        ("2048", "false", "112.0", "1.12x", f"[{number['bench launch 2']}]", "no"),
+    }, table
 
 
 def test_records_pair_only_within_their_launch_and_sweep_points_within_their_sweep():

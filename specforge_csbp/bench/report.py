@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .compare import extra_fields, group_side_by_side, mode_rank, speedups
+from .compare import CONFIG_EXTRAS, extra_fields, group_side_by_side, mode_rank, speedups
 from .plots import plot_workload
 from .records import BenchRecord, load_records
 
@@ -144,16 +144,23 @@ def _workload_section(
         for s in spd:
             by_key.setdefault(s.key, {})[s.other_mode] = s.text
             base[s.key] = s.csbp
-        header = ["context_len", "world_size", "block_size", "device", "date", "CSBP tokens/s"]
-        header += [f"CSBP / {m}" for m in others] + ["fresh compile"]
+        # the configuration fields that tell this workload's groups apart (e.g. anchors, gather_ahead), and
+        # the run (numbered below) each group's CSBP record came from
+        varying = [name for name in CONFIG_EXTRAS
+                   if len({format_value((c.model_extra or {}).get(name)) for c in base.values()}) > 1]  # fmt: skip
+        header = ["context_len", "world_size", "block_size", "device", "date", *varying, "CSBP tokens/s"]
+        header += [f"CSBP / {m}" for m in others] + ["run", "fresh compile"]
         rows = []
         for key, by_mode in group_side_by_side(recs).items():
             if key not in by_key:
                 continue
             c = base[key]
             row = [str(c.context_len), str(c.world_size), str(c.block_size), format_value(c.device),
-                   format_value(c.date), format_value(c.tokens_per_s)]  # fmt: skip
+                   format_value(c.date)]  # fmt: skip
+            row += [format_value((c.model_extra or {}).get(name)) for name in varying]
+            row.append(format_value(c.tokens_per_s))
             row += [by_key[key].get(m, "—") for m in others]
+            row.append(f"[{runs[(c.device, c.date, c.command)]}]")
             row.append("yes" if all(fresh_compile(r) for rs in by_mode.values() for r in rs) else "no")
             rows.append(row)
         rows.sort(key=lambda row: (row[3], row[4], int(row[1]), int(row[2]), int(row[0])))
@@ -166,7 +173,9 @@ def _workload_section(
             "compile state (its own process, or `bench/isolation.py`'s reset). Where it says no, a mode that ran "
             "after another in the same process inherited that mode's compiled FlexAttention kernels and may have "
             "run slower for it (measured up to 13% per step, docs/performance.md): treat that ratio as an upper "
-            "bound on CSBP's lead.",
+            "bound on CSBP's lead. Configuration columns (anchors, schedule, gather_ahead, ...) appear where the groups "
+            "differ in them; `—`: the records do not say (a switch added later: off in them). `run`: the command, "
+            "numbered under Runs.",
             "",
         ]
         lines += _table(header, rows) + [""]
