@@ -80,7 +80,7 @@ class CSBPOptions(BaseModel):
     gather_ahead: bool = Field(
         default=True,
         description="start each drafter layer's context K/V all-gather while the layer before runs (CSBP; 2 x "
-        "H200, shape a: 1M / 512 anchors 1.084x CP vs 1.067x gathering in front of each layer); false: gather "
+        "H200, shape a: 1M / 512 anchors 1.084x CP vs 1.064x gathering in front of each layer); false: gather "
         "in front of each layer",
     )
     regather: bool = Field(

@@ -170,8 +170,8 @@ def drafter_step(
     """Forward + backward of one step; gradients land in model parameters (summed over the group).
     `prepared`: this step's `prepare_step(...)` result, or a PreparedStep (prefetch.py: its attention
     masks built and its indices staged on the device ahead too), if computed ahead of time. Indices not
-    staged ahead are copied here, once each (`stage_indices`). `gather_ahead`: CSBP layers start their
-    context K/V gather one layer early (`LayerAttention.gather_ahead`); same result, other overlap."""
+    staged ahead are copied here, once each (`stage_indices`). `gather_ahead` (default on): CSBP layers
+    start their context K/V gather one layer early (`LayerAttention.gather_ahead`); same result, other overlap."""
     if mode not in DRAFTER_MODES:
         raise ValueError(f"mode must be one of {', '.join(DRAFTER_MODES)}; got {mode!r}")
     if not samples:
