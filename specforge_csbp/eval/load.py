@@ -12,7 +12,7 @@ import os
 
 import torch
 
-__all__ = ["DTYPES", "check_pair", "check_positions", "load_drafter", "load_eval_target", "resolve_dtype"]
+__all__ = ["DTYPES", "check_pair", "check_positions", "load_drafter", "load_eval_target", "load_target_config", "resolve_dtype"]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 
@@ -40,6 +40,18 @@ def load_drafter(path: str, *, untrained: bool = False, seed: int = 0, dtype: st
     if not untrained:
         model.load_state_dict(ckpt.state_dict, strict=True)
     return model.to(device=device, dtype=getattr(torch, dtype)).eval(), ckpt
+
+
+def load_target_config(path: str):
+    """The target's config alone (the pair checks run before any weight is read)."""
+    from transformers import AutoConfig
+
+    if not os.path.exists(path):
+        raise ValueError(f"--target: {path} does not exist")
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as err:  # noqa: BLE001 - any unreadable config is the same one-line error
+        raise ValueError(f"--target: {path} has no readable config.json ({str(err).splitlines()[0][:120]})") from None
 
 
 def load_eval_target(path: str, *, dtype: str, device: torch.device, seed: int = 0):

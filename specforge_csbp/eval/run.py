@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .drafter import DraftContext
-from .load import check_pair, check_positions, load_drafter, load_eval_target, resolve_dtype
+from .load import check_pair, check_positions, load_drafter, load_eval_target, load_target_config, resolve_dtype
 from .loop import SequenceResult, speculative_generate
 from .metrics import summarize
 from .target import TargetRunner
@@ -110,12 +110,17 @@ def evaluate(options: EvalOptions, prompts: Sequence[torch.Tensor]) -> dict[str,
         raise ValueError(f"--prefill-chunk must be >= 0 (0 = the whole prompt at once); got {options.prefill_chunk}")
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
+    if not options.progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    target_config = load_target_config(options.target)
     drafter, ckpt = load_drafter(options.drafter, untrained=options.untrained, seed=options.seed, dtype=dtype,
                                  device=device)  # fmt: skip
-    target = load_eval_target(options.target, dtype=dtype, device=device, seed=options.seed)
-    check_pair(drafter.config, target.config)
+    check_pair(drafter.config, target_config)  # before the target's weights are read
     S = int(drafter.block_size)
-    check_positions(prompts, options.max_new_tokens, S, target.config)
+    check_positions(prompts, options.max_new_tokens, S, target_config)
+    target = load_eval_target(options.target, dtype=dtype, device=device, seed=options.seed)
     stop_ids: list[int] = []
     if not options.ignore_eos:
         eos = getattr(target.generation_config, "eos_token_id", None) or target.config.get_text_config().eos_token_id
