@@ -127,10 +127,20 @@ class DraftContext:
 
 
 def _masked_sdpa(mask: torch.Tensor):
-    """attend(q, k, v) -> (out, None) with the block's dense mask (GQA: head h reads kv head h // G)."""
+    """attend(q, k, v) -> (out, None) with the block's dense mask [S, Nk].
+
+    GQA by packing (as attention/packing.py does for training): the G query heads of one kv head become
+    G x S rows of that head, so K/V are read once and never repeated, and SDPA's masked kernels apply:
+
+        q [B, G*kv, S, D] -> [B, kv, G*S, D]   (head kv*G + g, slot i -> row g*S + i)   mask -> G copies
+    """
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-        return out, None
+        b, hq, s, d = q.shape
+        hk = k.shape[1]
+        g = hq // hk
+        packed = q.reshape(b, hk, g * s, d)
+        out = F.scaled_dot_product_attention(packed, k, v, attn_mask=mask.repeat(g, 1) if g > 1 else mask)
+        return out.reshape(b, hq, s, d), None
 
     return attend

@@ -7,8 +7,8 @@ JSONL, one record a line, any of:
                                               applied with the generation prompt (the model answers)
 Feature store (data/store.py): each sample's tokens up to its first supervised token (the prompt of a
 chat sample); a sample supervised from its first token (a document) is used whole. `split` picks held-out
-samples: a store directory `STORE/<split>/` of its own, or samples whose manifest entry carries
-`split: <split>`.
+samples: a store directory `STORE/<split>/` of its own, samples whose manifest entry carries
+`split: <split>`, or the ids a manifest-level `splits: {<split>: [...]}` lists.
 """
 
 from __future__ import annotations
@@ -82,6 +82,9 @@ def _split_ids(store, root: str, split: str) -> list[str]:
     marked = [e.id for e in store.manifest.samples if getattr(e, "split", None) == split]
     if marked:
         return marked
+    listed = (getattr(store.manifest, "splits", None) or {}).get(split)  # a manifest-level {name: [ids]}
+    if listed:
+        return [str(i) for i in listed]
     raise ValueError(
         f"--split: the store at {root} has no split {split!r} (neither {os.path.join(root, split)}/ "
         f"nor samples marked split={split!r}); leave --split out to use every sample"
