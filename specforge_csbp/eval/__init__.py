@@ -1,4 +1,4 @@
-"""Offline greedy speculative decoding of a DFlash / DFlash2 drafter against its target (`specforge-csbp eval`).
+"""Offline greedy speculative decoding of a DFlash / DFlash2 drafter against its target (`eval` command).
 
     prompts.py  token ids from JSONL (input_ids | text | chat messages) or a feature store's samples
     load.py     drafter (checkpoint, training output, SGLang export; or untrained) + target, pair checks

@@ -12,7 +12,15 @@ import os
 
 import torch
 
-__all__ = ["DTYPES", "check_pair", "check_positions", "load_drafter", "load_eval_target", "load_target_config", "resolve_dtype"]
+__all__ = [
+    "DTYPES",
+    "check_pair",
+    "check_positions",
+    "load_drafter",
+    "load_eval_target",
+    "load_target_config",
+    "resolve_dtype",
+]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 
@@ -51,7 +59,8 @@ def load_target_config(path: str):
     try:
         return AutoConfig.from_pretrained(path)
     except Exception as err:  # noqa: BLE001 - any unreadable config is the same one-line error
-        raise ValueError(f"--target: {path} has no readable config.json ({str(err).splitlines()[0][:120]})") from None
+        first = str(err).splitlines()[0][:120]
+        raise ValueError(f"--target: {path} has no readable config.json ({first})") from None
 
 
 def load_eval_target(path: str, *, dtype: str, device: torch.device, seed: int = 0):

@@ -65,7 +65,10 @@ def jsonl_prompts(path: str, target: str, limit: int | None = None) -> list[torc
                     messages = list(record["messages"])
                     while messages and messages[-1].get("role") == "assistant":
                         messages.pop()
-                    ids = _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+                    encoded = tokenizer.apply_chat_template(
+                        messages, add_generation_prompt=True, tokenize=True
+                    )
+                    ids = _ids(encoded)
             else:
                 raise ValueError(
                     f"--prompts: {path}:{line_no} needs one of the fields input_ids, text, messages"

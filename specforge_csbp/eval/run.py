@@ -14,7 +14,14 @@ from typing import Any
 import torch
 
 from .drafter import DraftContext
-from .load import check_pair, check_positions, load_drafter, load_eval_target, load_target_config, resolve_dtype
+from .load import (
+    check_pair,
+    check_positions,
+    load_drafter,
+    load_eval_target,
+    load_target_config,
+    resolve_dtype,
+)
 from .loop import SequenceResult, speculative_generate
 from .metrics import summarize
 from .target import TargetRunner
@@ -77,7 +84,8 @@ def run_prompts(
     device = next(target.parameters()).device
     runner = TargetRunner(target, drafter.target_layer_ids if drafter is not None else [])
     results: list[SequenceResult] = []
-    bar = tqdm(total=len(prompts) * max_new_tokens, unit="tok", desc="eval", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=len(prompts) * max_new_tokens, unit="tok", desc="eval", disable=not progress,
+               dynamic_ncols=True)  # fmt: skip
     accepted = steps = 0
     try:
         for prompt in prompts:
@@ -85,7 +93,8 @@ def run_prompts(
             if proposer_factory is not None:
                 proposer = proposer_factory(capacity)
             else:
-                proposer = DraftContext(drafter, target.get_input_embeddings(), target.get_output_embeddings(), capacity)
+                embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+                proposer = DraftContext(drafter, embed, head, capacity)
             result = speculative_generate(
                 runner, proposer, prompt, max_new_tokens, prefill_chunk=prefill_chunk, stop_ids=stop_ids,
                 on_step=lambda n: bar.update(n), clock=_clock(device),
@@ -107,7 +116,9 @@ def evaluate(options: EvalOptions, prompts: Sequence[torch.Tensor]) -> dict[str,
     if options.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1; got {options.max_new_tokens}")
     if options.prefill_chunk < 0:
-        raise ValueError(f"--prefill-chunk must be >= 0 (0 = the whole prompt at once); got {options.prefill_chunk}")
+        raise ValueError(
+            f"--prefill-chunk must be >= 0 (0 = the whole prompt at once); got {options.prefill_chunk}"
+        )
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
     if not options.progress:
@@ -123,7 +134,8 @@ def evaluate(options: EvalOptions, prompts: Sequence[torch.Tensor]) -> dict[str,
     target = load_eval_target(options.target, dtype=dtype, device=device, seed=options.seed)
     stop_ids: list[int] = []
     if not options.ignore_eos:
-        eos = getattr(target.generation_config, "eos_token_id", None) or target.config.get_text_config().eos_token_id
+        eos = getattr(target.generation_config, "eos_token_id", None)
+        eos = eos if eos is not None else target.config.get_text_config().eos_token_id
         stop_ids = [eos] if isinstance(eos, int) else list(eos or [])
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -143,7 +155,8 @@ def evaluate(options: EvalOptions, prompts: Sequence[torch.Tensor]) -> dict[str,
 
 def summary_line(summary: dict[str, Any]) -> str:
     tau = "n/a" if summary["tau"] is None else f"{summary['tau']:.2f}"
-    parts = [f"tau={tau}", f"verify_steps={summary['verify_steps']}", f"generated={summary['generated_tokens']}",
+    parts = [f"tau={tau}", f"verify_steps={summary['verify_steps']}",
+             f"generated={summary['generated_tokens']}",
              f"block_size={summary['block_size']}", f"prompts={summary['num_prompts']}"]  # fmt: skip
     for b in summary["buckets"]:
         if b["tau"] is not None:
@@ -169,12 +182,14 @@ def plot_tau(results_or_summary: dict[str, Any], path: str) -> None:
             continue
         end = b["end"] if b["end"] is not None else top
         ax.hlines(b["tau"], b["start"], min(end, top), colors="tab:red", linewidth=2)
-        ax.annotate(f"{b['tau']:.2f} ({b['verify_steps']} steps)", ((b["start"] + min(end, top)) / 2, b["tau"]),
+        middle = (b["start"] + min(end, top)) / 2
+        ax.annotate(f"{b['tau']:.2f} ({b['verify_steps']} steps)", (middle, b["tau"]),
                     textcoords="offset points", xytext=(0, 5), ha="center", fontsize=8)  # fmt: skip
     ax.set_ylim(0.9, summary["block_size"] + 0.1)
     ax.set_xlabel("context position of the draft block")
     ax.set_ylabel("tau (tokens per verify step)")
-    ax.set_title(f"tau = {summary['tau'] or 0:.2f} over {summary['verify_steps']} verify steps (S = {summary['block_size']})")
+    tau = summary["tau"] or 0.0
+    ax.set_title(f"tau = {tau:.2f} over {summary['verify_steps']} verify steps (S = {summary['block_size']})")
     ax.grid(True, alpha=0.3)
     if bins:
         ax.legend(fontsize=8)
