@@ -118,8 +118,18 @@ def test_partial_acceptance_commits_exactly_the_verified_prefix(target):
     assert summary["tau"] == pytest.approx(1 + sum(s.accepted for s in result.steps) / len(result.steps))
 
 
-def test_untrained_drafter_stays_near_one(target):
-    drafter = random_drafter(True)
+def test_untrained_drafter_stays_near_one(target, tmp_path):
+    """`--untrained`: the checkpoint's config, fresh seeded weights (identity conv, zero successor codebook)."""
+    from specforge_csbp.eval import load_drafter
+
+    random_drafter(True).save_pretrained(str(tmp_path / "d"))
+    drafter, _ = load_drafter(str(tmp_path / "d"), untrained=True, seed=0, dtype="float64",
+                              device=torch.device("cpu"))  # fmt: skip
+    again, _ = load_drafter(str(tmp_path / "d"), untrained=True, seed=0, dtype="float64", device=torch.device("cpu"))
+    trained, _ = load_drafter(str(tmp_path / "d"), dtype="float64", device=torch.device("cpu"))
+    fresh, kept = drafter.state_dict(), trained.state_dict()
+    assert all(torch.equal(fresh[k], v) for k, v in again.state_dict().items())  # seeded
+    assert not torch.equal(fresh["fc.weight"], kept["fc.weight"])
     results = run_prompts(drafter, target, _prompts(2), 24)
     summary = summarize(results, S)
     assert 1.0 <= summary["tau"] < 1.3, summary["tau"]
