@@ -181,7 +181,9 @@ def plot_tau(results_or_summary: dict[str, Any], path: str) -> None:
         if b["tau"] is None:
             continue
         end = b["end"] if b["end"] is not None else top
-        ax.hlines(b["tau"], b["start"], min(end, top), colors="tab:red", linewidth=2)
+        first = b is summary["buckets"][0]
+        ax.hlines(b["tau"], b["start"], min(end, top), colors="tab:red", linewidth=2,
+                  label="tau per bucket (0-4K, 4K-16K, 16K-64K, 64K-256K, 256K+)" if first else None)  # fmt: skip
         middle = (b["start"] + min(end, top)) / 2
         ax.annotate(f"{b['tau']:.2f} ({b['verify_steps']} steps)", (middle, b["tau"]),
                     textcoords="offset points", xytext=(0, 5), ha="center", fontsize=8)  # fmt: skip
@@ -191,8 +193,7 @@ def plot_tau(results_or_summary: dict[str, Any], path: str) -> None:
     tau = summary["tau"] or 0.0
     ax.set_title(f"tau = {tau:.2f} over {summary['verify_steps']} verify steps (S = {summary['block_size']})")
     ax.grid(True, alpha=0.3)
-    if bins:
-        ax.legend(fontsize=8)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     tmp = f"{path}.tmp-{os.getpid()}.png"
     fig.savefig(tmp, dpi=110, metadata={"Software": None})
