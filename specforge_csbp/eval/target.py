@@ -47,7 +47,10 @@ class TargetRunner:
         `on_features`, and return the target's first generated token."""
         from transformers import DynamicCache
 
-        self.cache = DynamicCache(config=self.model.config)
+        try:
+            self.cache = DynamicCache(config=self.model.config)
+        except TypeError:  # transformers before the config argument
+            self.cache = DynamicCache()
         n = int(prompt.shape[0])
         step = chunk if chunk > 0 else n
         for lo in range(0, n, step):
