@@ -30,6 +30,7 @@ def files(tmp_path_factory):
     (root / "prompts.jsonl").write_text(json.dumps({"input_ids": [5, 6, 7]}) + "\n")
     (root / "long.jsonl").write_text(json.dumps({"input_ids": [5] * 4080}) + "\n")
     (root / "bad.jsonl").write_text(json.dumps({"tokens": [5]}) + "\n")
+    (root / "oov.jsonl").write_text(json.dumps({"input_ids": [5, 512]}) + "\n")
     return root
 
 
@@ -47,6 +48,8 @@ CASES = {
     "eval-prompt-length": (["--prompts", "{root}/long.jsonl"],
                            ("prompt 0: 4080 tokens + --max-new-tokens 16 + block_size 4 - 1 = 4099 positions "
                             "exceed the target's max_position_embeddings = 4096")),
+    "eval-prompt-token": (["--prompts", "{root}/oov.jsonl"],
+                          "prompt 0: token id 512 is outside the target's vocabulary 0..511"),
     "eval-drafter-path": (["--drafter", "{root}/missing"], "--drafter: {root}/missing does not exist"),
     "eval-target-path": (["--target", "{root}/missing"], "--target: {root}/missing does not exist"),
     "eval-prompts-path": (["--prompts", "{root}/missing.jsonl"], "--prompts: {root}/missing.jsonl does not exist"),

@@ -107,8 +107,17 @@ def check_pair(drafter_config, target_config) -> None:
 
 
 def check_positions(prompts, max_new_tokens: int, block_size: int, target_config) -> None:
-    """Every position a run can reach (the last verify block included) must be one the target has."""
-    limit = getattr(target_config.get_text_config(), "max_position_embeddings", None)
+    """Every token must be in the target's vocabulary, and every position a run can reach (the last verify
+    block included) one the target has."""
+    text = target_config.get_text_config()
+    vocab = int(text.vocab_size)
+    for i, prompt in enumerate(prompts):
+        bad = prompt[(prompt < 0) | (prompt >= vocab)]
+        if bad.numel():
+            raise ValueError(
+                f"prompt {i}: token id {int(bad[0])} is outside the target's vocabulary 0..{vocab - 1}"
+            )
+    limit = getattr(text, "max_position_embeddings", None)
     if limit is None:
         return
     for i, prompt in enumerate(prompts):

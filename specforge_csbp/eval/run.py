@@ -146,7 +146,7 @@ def evaluate(options: EvalOptions, prompts: Sequence[torch.Tensor]) -> dict[str,
         drafter=os.path.abspath(options.drafter), drafter_source=ckpt.source, architecture=ckpt.architecture,
         untrained=options.untrained, target=os.path.abspath(options.target), device=str(device), dtype=dtype,
         max_new_tokens=options.max_new_tokens, prefill_chunk=options.prefill_chunk, seed=options.seed,
-        stop_ids=stop_ids,
+        stop_ids=stop_ids, loop="greedy speculative decoding as SGLang 0.5.23's DFLASH worker (batch 1)",
         verify_steps_per_s=summary["verify_steps"] / summary["decode_s"] if summary["decode_s"] else None,
         peak_mem_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     )  # fmt: skip
