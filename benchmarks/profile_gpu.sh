@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Profile the trainers themselves on one GPU (the user's commands, not a harness), beside the benchmark step of
-# the same model.   bash benchmarks/profile_gpu.sh drafter | bench | bdlm
+# the same model.   bash benchmarks/profile_gpu.sh drafter | bench | eval | bdlm
 #   drafter: `specforge-csbp train --csbp` (SpecForge's trainer + the plugin), Qwen3.6-27B DFlash2 drafter at 64K,
 #            512 anchors, one rank, on benchmarks/plugin_setup.py's random target head and store, with the host
 #            syncs of two steps counted by stack and the recompiles logged;
 #   bench:   drafter_bench.py's step of the same drafter, with and without kept logits.
+#   eval:    `specforge-csbp eval`'s loop (benchmarks/eval_bench.py), Qwen3-1.7B-shaped target, 32K and 128K prompts.
 #   bdlm:    `specforge-csbp train-bdlm` for the Qwen3-1.7B shape at 64K (one rank, activation checkpointing).
 # Writes $OUT/<part>/{ops_cuda,ops_cpu}.txt, steps.json, and the benchmark's records.
 source benchmarks/gpu_env.sh
@@ -21,10 +22,15 @@ drafter)
   rm -rf $P/output
   ;;
 bench)
+  mkdir -p $OUT/drafter
   stage 150 python3 benchmarks/drafter_bench.py --draft-config drafter_configs/qwen3.6-27b-dflash2.json \
     --modes dp --contexts 64K --anchors 512 --out $OUT/drafter/bench.jsonl
   stage 100 python3 benchmarks/drafter_bench.py --draft-config drafter_configs/qwen3.6-27b-dflash2.json \
     --modes dp --contexts 64K --anchors 512 --keep-logits-gib 6 --no-components --out $OUT/drafter/bench.jsonl
+  ;;
+eval)
+  mkdir -p $OUT/eval
+  stage 300 python3 benchmarks/eval_bench.py --contexts 32K,128K --max-new-tokens 64 --out $OUT/eval/eval.jsonl
   ;;
 bdlm)
   stage 300 env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 \
