@@ -136,7 +136,7 @@ def _run(name, root, out_dir, rank, masks, *, look_ahead, lie=None, start=None, 
         before, reads_before = masks.counts.get(MAIN, 0), READS.get(MAIN, 0)
         out = forward(sample_index=sample_index, global_step=global_step)
         record["own_reads"].append(READS.get(MAIN, 0) - reads_before)
-        record["index"].append(int(sample_index.reshape(-1)[0]))
+        record["index"].append(int(torch.as_tensor(sample_index).reshape(-1)[0]))
         record["step"].append(int(global_step))
         record["own_masks"].append(masks.counts.get(MAIN, 0) - before)
         return out

@@ -225,8 +225,7 @@ def position_weights(
     """[S]: 0 for slot 0, exp(-(k-1)/gamma) for slot k >= 1 (1 without decay)."""
     k = torch.arange(block_size, dtype=dtype, device=device)
     w = torch.ones_like(k) if gamma is None else torch.exp(-(k - 1).clamp(min=0) / gamma)
-    w[0] = 0
-    return w
+    return w * (k > 0)  # slot 0 zeroed on the device (an element assignment would copy from the host)
 
 
 def dpace_weights(prob: torch.Tensor, supervised: torch.Tensor, alpha: float, kind: str) -> torch.Tensor:

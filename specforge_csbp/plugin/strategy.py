@@ -150,7 +150,10 @@ class CSBPDraftTrainStrategy(DraftTrainStrategy):
     def forward_loss(self, batch: TrainBatch, ctx: StepContext | None = None) -> StepOutput:
         self.validate_batch(batch)
         step = ctx.global_step if ctx is not None else 0
-        numerator, denominator, stats = self.model(sample_index=batch.tensors[FEATURE], global_step=step)
+        # the store indices as host ints: a tensor would be moved to the GPU by DDP and read back by the module,
+        # two host syncs that drain the GPU's queue before every forward
+        indices = batch.tensors[FEATURE].reshape(-1).tolist()
+        numerator, denominator, stats = self.model(sample_index=indices, global_step=step)
         self._step, self._armed = step, True
         self._numerators.append(numerator.detach())  # checked before the optimizer step
 

@@ -109,14 +109,14 @@ class CSBPDrafterTrainingModel(nn.Module):
 
     def _gather_indices(
         self,
-        sample_index: torch.Tensor,
+        sample_index: torch.Tensor | list[int],
         groups: csbp_groups.CSBPGroups,
-        next_index: torch.Tensor | None = None,
+        next_index: torch.Tensor | list[int] | None = None,
     ) -> tuple[list[int], list[int] | None]:
         """(the CP group's sample indices, the group's next micro-step's indices or None when any rank does
         not know its next batch) - one all-gather of [this batch; next batch or -1] per rank."""
-        local = sample_index.reshape(-1).to("cpu", torch.long)
-        ahead = None if next_index is None else next_index.reshape(-1).to("cpu", torch.long)
+        local = torch.as_tensor(sample_index, dtype=torch.long, device="cpu").reshape(-1)
+        ahead = None if next_index is None else torch.as_tensor(next_index, dtype=torch.long, device="cpu").reshape(-1)
         if ahead is None or ahead.shape != local.shape:
             ahead = torch.full_like(local, -1)
         send = torch.stack([local, ahead])
@@ -227,7 +227,7 @@ class CSBPDrafterTrainingModel(nn.Module):
         finally:
             self._outstanding = job + 1  # the newest submitted build nobody has taken yet
 
-    def forward(self, sample_index: torch.Tensor, global_step: int = 0):
+    def forward(self, sample_index: torch.Tensor | list[int], global_step: int = 0):
         """One micro-step; its first sample was built during the previous micro-step when the look-ahead
         announced it (plugin/lookahead.py), later samples while the one before runs.
 
