@@ -123,6 +123,28 @@ def test_specforge_pin_serves_dflash_but_not_dflash2(tmp_path):
     assert SGLANG_FLOORS == {"DFlashDraftModel": SPECFORGE_PIN, "DFlash2DraftModel": DFLASH2_FLOOR}
 
 
+@pytest.mark.parametrize("version", [DFLASH2_FLOOR, NEWEST])
+@pytest.mark.parametrize(
+    "layer_types,is_causal",
+    [(["sliding_attention", "full_attention"], False), (["sliding_attention", "sliding_attention"], True),
+     (["full_attention", "full_attention"], None)],
+)  # fmt: skip
+def test_sglang_runs_each_layer_as_causal_as_the_trainer(tmp_path, version, layer_types, is_causal):
+    """The configs the drafter validation lets through (is_causal false, unset, or true on sliding layers
+    only) are served with the trainer's visibility in every layer."""
+    from specforge_csbp.models.dflash.configuration import make_dflash_config
+
+    config = make_dflash_config(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, vocab_size=64, num_target_layers=6, target_layer_ids=[1, 3], mask_token_id=5, block_size=4,
+        layer_types=layer_types, sliding_window=8, dflash2=True, conv_kernel_size=2, conv_group_size=8,
+        selector_rank=4, selector_top_k=4, is_causal=is_causal,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = DFlash2DraftModel(config)
+    assert problems(version, _export(tmp_path, model), model) == []
+
+
 def _reduced(raw: dict) -> dict:
     """The shipped config at reduced width: the same layers, layer types, heads (GQA), feature layers, block
     size, conv taps, selector top-k, vocabulary and mask token; narrower hidden / head / MLP / selector rank."""
@@ -224,7 +246,8 @@ def test_quickstart_export_loads_exactly_in_sglang(tmp_path):
     bindir = os.path.dirname(sys.executable)
     stdout = ""
     for step in _quickstart_steps():
-        line = step.replace("$RUN", run).replace("$PY", sys.executable).replace(".venv/bin/", bindir + "/")
+        line = step.replace('"', "").replace("$RUN", run).replace(".venv/bin/", bindir + "/")
+        line = line.replace("$PY", sys.executable)
         args = line.split()
         if " train " in f" {line} ":
             args += [f"model.target_model_path={run}/target", f"data.hidden_states_path={run}/store",

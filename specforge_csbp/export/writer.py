@@ -40,7 +40,8 @@ TARGETS = ("sglang", "vllm", "hf")
 SGLANG_FLOORS = {"DFlashDraftModel": "0.5.14", "DFlash2DraftModel": "0.5.19"}
 # A top-level is_causal is honoured (true and false) from SGLang 0.5.18 on; before, false is ignored.
 SGLANG_IS_CAUSAL_FLOOR = "0.5.18"
-VLLM_FLOORS = {"DFlashDraftModel": "0.24.0", "DFlash2DraftModel": "0.29.0"}
+# vLLM: DFlash2 (qwen3_dflash2.py) and the top-level is_causal arrive in 0.28.0 (read from the wheels).
+VLLM_FLOORS = {"DFlashDraftModel": "0.28.0", "DFlash2DraftModel": "0.28.0"}
 _DTYPES = ("float32", "bfloat16", "float16")
 PROVENANCE = "provenance.json"
 
