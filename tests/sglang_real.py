@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["SGLangDFlash", "LoadResult", "import_sglang_dflash", "side_dir"]
+__all__ = ["LoadResult", "SGLangDFlash", "import_sglang_dflash", "side_dir"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _REAL = ("sglang.srt.models.dflash", "sglang.srt.speculative.dflash_utils")
@@ -40,7 +40,9 @@ _REAL = ("sglang.srt.models.dflash", "sglang.srt.speculative.dflash_utils")
 
 def side_dir(version: str) -> str:
     """Where scripts/setup_env.sh unpacks sglang==version (--no-deps, beside the venv)."""
-    return os.path.join(os.environ.get("SPECFORGE_CSBP_SIDE", os.path.join(ROOT, ".venv", "side")), f"sglang-{version}")
+    return os.path.join(
+        os.environ.get("SPECFORGE_CSBP_SIDE", os.path.join(ROOT, ".venv", "side")), f"sglang-{version}"
+    )
 
 
 # -- stubs ---------------------------------------------------------------------------------------------
@@ -80,7 +82,9 @@ class _Log:
     def write(self, param: torch.Tensor, loaded: torch.Tensor, lo: int | None = None) -> None:
         target = param.data if lo is None else param.data.narrow(0, lo, loaded.shape[0])
         if tuple(target.shape) != tuple(loaded.shape):  # SGLang asserts the same
-            raise AssertionError(f"shape {tuple(loaded.shape)} does not fit parameter rows {tuple(target.shape)}")
+            raise AssertionError(
+                f"shape {tuple(loaded.shape)} does not fit parameter rows {tuple(target.shape)}"
+            )
         target.copy_(loaded)
         lo = 0 if lo is None else lo
         self.rows.setdefault(id(param), []).append((lo, lo + (loaded.shape[0] if loaded.dim() else 1)))
@@ -153,26 +157,26 @@ def _stub_layers(log: _Log) -> dict[str, dict[str, object]]:
 
     parallel = types.SimpleNamespace(tp_size=1, tp_rank=0, attn_tp_size=1, attn_tp_rank=0, pp_size=1)
     return {
-        "sglang.srt.layers.linear": dict(
-            QKVParallelLinear=QKVParallelLinear, MergedColumnParallelLinear=MergedColumnParallelLinear,
-            RowParallelLinear=_Linear, ColumnParallelLinear=_Linear, ReplicatedLinear=_Linear,
-        ),
-        "sglang.srt.layers.layernorm": dict(RMSNorm=RMSNorm, GemmaRMSNorm=RMSNorm),
-        "sglang.srt.layers.radix_attention": dict(RadixAttention=RadixAttention, AttentionType=AttentionType),
-        "sglang.srt.layers.activation": dict(SiluAndMul=_NoParams),
-        "sglang.srt.layers.rotary_embedding": dict(get_rope=lambda *a, **k: _NoParams()),
-        "sglang.srt.model_loader.weight_utils": dict(
-            default_weight_loader=default_weight_loader,
-            sharded_weight_loader=lambda *a, **k: default_weight_loader,
-        ),
-        "sglang.srt.runtime_context": dict(get_parallel=lambda: parallel, get_spec=lambda: _Dummy()),
-        "sglang.srt.server_args": dict(get_global_server_args=lambda: _Dummy()),
-        "sglang.srt.utils": dict(is_npu=lambda: False, is_cuda=lambda: False, is_hip=lambda: False,
-                                 is_musa=lambda: False, set_weight_attrs=set_weight_attrs),  # fmt: skip
-        "sglang.srt.utils.common": dict(get_compiler_backend=lambda: "inductor"),
-        "sglang.srt.utils.hf_transformers_utils": dict(
-            get_rope_config=lambda config: (getattr(config, "rope_theta", 10000.0), None)
-        ),
+        "sglang.srt.layers.linear": {
+            "QKVParallelLinear": QKVParallelLinear, "MergedColumnParallelLinear": MergedColumnParallelLinear,
+            "RowParallelLinear": _Linear, "ColumnParallelLinear": _Linear, "ReplicatedLinear": _Linear,
+        },
+        "sglang.srt.layers.layernorm": {"RMSNorm": RMSNorm, "GemmaRMSNorm": RMSNorm},
+        "sglang.srt.layers.radix_attention": {"RadixAttention": RadixAttention, "AttentionType": AttentionType},
+        "sglang.srt.layers.activation": {"SiluAndMul": _NoParams},
+        "sglang.srt.layers.rotary_embedding": {"get_rope": lambda *a, **k: _NoParams()},
+        "sglang.srt.model_loader.weight_utils": {
+            "default_weight_loader": default_weight_loader,
+            "sharded_weight_loader": lambda *a, **k: default_weight_loader,
+        },
+        "sglang.srt.runtime_context": {"get_parallel": lambda: parallel, "get_spec": lambda: _Dummy()},
+        "sglang.srt.server_args": {"get_global_server_args": lambda: _Dummy()},
+        "sglang.srt.utils": {"is_npu": lambda: False, "is_cuda": lambda: False, "is_hip": lambda: False,
+            "is_musa": lambda: False, "set_weight_attrs": set_weight_attrs},
+        "sglang.srt.utils.common": {"get_compiler_backend": lambda: "inductor"},
+        "sglang.srt.utils.hf_transformers_utils": {
+            "get_rope_config": lambda config: (getattr(config, "rope_theta", 10000.0), None)
+        },
     }  # fmt: skip
 
 
@@ -235,7 +239,9 @@ class SGLangDFlash:
         if arch not in self.entry_classes:
             raise LookupError(f"sglang {self.version} registers no {arch} (has {sorted(self.entry_classes)})")
         default = torch.get_default_dtype()
-        torch.set_default_dtype(torch.float64)  # parameters SGLang builds itself (fc, conv, selector) hold any export exactly
+        torch.set_default_dtype(
+            torch.float64
+        )  # parameters SGLang builds itself (fc, conv, selector) hold any export exactly
         try:
             return self.entry_classes[arch](config)
         finally:

@@ -29,8 +29,8 @@ from specforge_csbp.models.dflash.configuration import DFlashConfig
 from specforge_csbp.models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sglang_real import import_sglang_dflash  # noqa: E402
-from test_export_contract import _tiny  # noqa: E402
+from sglang_real import import_sglang_dflash
+from test_export_contract import _tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DFLASH2_FLOOR, NEWEST, SPECFORGE_PIN = "0.5.19", "0.5.23", "0.5.14"
@@ -108,17 +108,20 @@ def test_tiny_exports_load_exactly_in_sglang(tmp_path, version, dflash2):
     out = _export(tmp_path, model)
     assert problems(version, out, model) == []
     params = sglang(version).load_export(out).params
-    assert ("candidate_selector.successor_codebook" in params) is dflash2 and "layers.1.self_attn.qkv_proj.weight" in params
+    assert (
+        "candidate_selector.successor_codebook" in params
+    ) is dflash2 and "layers.1.self_attn.qkv_proj.weight" in params
 
 
 def test_specforge_pin_serves_dflash_but_not_dflash2(tmp_path):
     dflash = _tiny(False)
     assert problems(SPECFORGE_PIN, _export(tmp_path, dflash, "v1"), dflash) == []
     dflash2 = _tiny(True)
-    assert problems(SPECFORGE_PIN, _export(tmp_path, dflash2, "v2"), dflash2) == [
+    refusal = (
         f"SGLang {SPECFORGE_PIN} refused it: LookupError: sglang {SPECFORGE_PIN} registers no DFlash2DraftModel "
         "(has ['DFlashDraftModel'])"
-    ]
+    )
+    assert problems(SPECFORGE_PIN, _export(tmp_path, dflash2, "v2"), dflash2) == [refusal]
     assert "DFlash2DraftModel" in sglang(DFLASH2_FLOOR).entry_classes
     assert SGLANG_FLOORS == {"DFlashDraftModel": SPECFORGE_PIN, "DFlash2DraftModel": DFLASH2_FLOOR}
 
@@ -225,7 +228,9 @@ def test_a_broken_writer_output_fails_against_sglang(tmp_path, tensors, config, 
 
 def _run(*cmd: str, timeout: int = 900) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(list(cmd), cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    proc = subprocess.run(
+        list(cmd), cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env, check=False
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout
 
@@ -234,8 +239,14 @@ def _quickstart_steps() -> list[str]:
     """The capture / train / export command lines of scripts/quickstart.sh, as it runs them."""
     with open(os.path.join(ROOT, "scripts", "quickstart.sh")) as f:
         lines = [line.strip() for line in f.read().replace("\\\n", " ").splitlines()]
-    steps = [line for line in lines if line.startswith(("$PY -m specforge_csbp", ".venv/bin/specforge train"))]
-    assert [s.split()[2 if s.startswith("$PY") else 1] for s in steps] == ["specforge_csbp", "train", "specforge_csbp"]
+    steps = [
+        line for line in lines if line.startswith(("$PY -m specforge_csbp", ".venv/bin/specforge train"))
+    ]
+    assert [s.split()[2 if s.startswith("$PY") else 1] for s in steps] == [
+        "specforge_csbp",
+        "train",
+        "specforge_csbp",
+    ]
     return steps
 
 

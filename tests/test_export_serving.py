@@ -17,8 +17,8 @@ from specforge_csbp.export.writer import export_drafter, serve_commands
 from specforge_csbp.models.dflash.configuration import DFlashConfig, make_dflash_config
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_export_contract import _tiny  # noqa: E402
-from vllm_source import VLLMSource  # noqa: E402
+from test_export_contract import _tiny
+from vllm_source import VLLMSource
 
 VLLM = "0.33.0"
 
@@ -39,7 +39,11 @@ def vllm_problems(source: VLLMSource, out) -> list[str]:
     """What vLLM `source` would do with the export: names placed by its own prefix + stacked table, against
     the parameters its classes build."""
     config = json.loads((out / "config.json").read_text())
-    top = "DFlash2Qwen3ForCausalLM" if config["architectures"] == ["DFlash2DraftModel"] else "DFlashQwen3ForCausalLM"
+    top = (
+        "DFlash2Qwen3ForCausalLM"
+        if config["architectures"] == ["DFlash2DraftModel"]
+        else "DFlashQwen3ForCausalLM"
+    )
     want = source.parameters(top, config["num_hidden_layers"], bias=config.get("attention_bias", False))
     prefix, stacked = source.prefix(), source.stacked()
     placed: dict[str, set] = {}
@@ -77,14 +81,20 @@ def test_a_broken_vllm_export_fails_against_vllms_source(tmp_path, vllm):
 
     out, _ = _export(tmp_path, _tiny(True), "vllm")
     weights = load_file(str(out / "model.safetensors"))
-    save_file({f"model.{k}": v for k, v in weights.items()}, str(out / "model.safetensors"))  # vLLM prefixes itself
+    save_file(
+        {f"model.{k}": v for k, v in weights.items()}, str(out / "model.safetensors")
+    )  # vLLM prefixes itself
     assert "no parameter model.model.fc.weight (from model.fc.weight)" in vllm_problems(vllm, out)
-    save_file({k.replace("k_proj", "key_proj"): v for k, v in weights.items()}, str(out / "model.safetensors"))
+    save_file(
+        {k.replace("k_proj", "key_proj"): v for k, v in weights.items()}, str(out / "model.safetensors")
+    )
     found = vllm_problems(vllm, out)
     assert "partial model.layers.0.self_attn.qkv_proj.weight (['q', 'v'])" in found, found
     fields = json.loads((out / "config.json").read_text())
     shapes = {k: tuple(v.shape) for k, v in weights.items()}
-    with pytest.raises(ValueError, match=r"names vLLM would misplace: \['model.candidate_selector.hidden_projection.weight'"):
+    with pytest.raises(
+        ValueError, match=r"names vLLM would misplace: \['model.candidate_selector.hidden_projection.weight'"
+    ):
         check_vllm_export(fields, {f"model.{k}": v for k, v in shapes.items()})
     with pytest.raises(ValueError, match="vLLM reads dflash_config.target_layer_ids"):
         bad = json.loads(json.dumps(fields))
@@ -104,16 +114,25 @@ def test_floors_and_serve_commands(tmp_path, capsys):
     commands = serve_commands(str(out.resolve()), provenance["config"])
     assert "serve with SGLang (sglang>=0.5.19):" in printed and "serve with vLLM (vllm>=0.28.0):" in printed
     assert commands["sglang"].split("\n")[1] in printed and commands["vllm"].split("\n")[1] in printed
-    assert "--speculative-num-draft-tokens 4" in commands["sglang"] and "--speculative-algorithm DFLASH" in printed
+    assert (
+        "--speculative-num-draft-tokens 4" in commands["sglang"]
+        and "--speculative-algorithm DFLASH" in printed
+    )
     # vLLM counts drafted tokens without the bonus token; the tiny drafter mixes sliding and full layers
     assert '"num_speculative_tokens": 3' in commands["vllm"]
     assert commands["vllm"].split("\n")[1].startswith("VLLM_USE_V2_MODEL_RUNNER=1 vllm serve <TARGET_MODEL>")
     _tiny(False).save_pretrained(tmp_path / "v1")
     result = export_drafter(str(tmp_path / "v1"), str(tmp_path / "v1-out"))
-    assert json.loads((tmp_path / "v1-out" / "provenance.json").read_text())["min_versions"]["sglang"] == "0.5.14"
+    assert (
+        json.loads((tmp_path / "v1-out" / "provenance.json").read_text())["min_versions"]["sglang"]
+        == "0.5.14"
+    )
     assert serve_commands("D", {**result.config, "is_causal": False})["sglang"].startswith("# sglang>=0.5.18")
     hf = export_drafter(str(tmp_path / "v1"), str(tmp_path / "hf-out"), to="hf")
-    assert json.loads((tmp_path / "hf-out" / "provenance.json").read_text())["min_versions"] is None and hf.contract is None
+    assert (
+        json.loads((tmp_path / "hf-out" / "provenance.json").read_text())["min_versions"] is None
+        and hf.contract is None
+    )
 
 
 def _target(tmp_path, **fields):
@@ -134,7 +153,7 @@ def _target(tmp_path, **fields):
     ],
 )  # fmt: skip
 def test_export_takes_the_targets_dtype_unless_told(tmp_path, fields, dtype, expected, source):
-    out, result = _export(tmp_path, _tiny(True), "sglang", target=_target(tmp_path, **fields), dtype=dtype)
+    out, _result = _export(tmp_path, _tiny(True), "sglang", target=_target(tmp_path, **fields), dtype=dtype)
     assert {v.dtype for v in load_file(str(out / "model.safetensors")).values()} == {expected}
     name = str(expected).replace("torch.", "")
     assert json.loads((out / "config.json").read_text())["dtype"] == name  # what SGLang's --dtype auto reads
@@ -143,16 +162,18 @@ def test_export_takes_the_targets_dtype_unless_told(tmp_path, fields, dtype, exp
 
 
 def test_export_without_target_keeps_the_trained_dtype_and_refuses_a_bad_target_dtype(tmp_path):
-    out, result = _export(tmp_path, _tiny(True), "sglang")
+    _out, result = _export(tmp_path, _tiny(True), "sglang")
     assert result.dtype == "float32" and result.dtype_source.startswith("checkpoint")
-    with pytest.raises(ValueError, match=r"--target: .*config.json declares dtype 'int8'; expected one of float32"):
+    with pytest.raises(
+        ValueError, match=r"--target: .*config.json declares dtype 'int8'; expected one of float32"
+    ):
         _export(tmp_path, _tiny(True), "sglang", name="o2", target=_target(tmp_path, torch_dtype="int8"))
 
 
 # -- causality: train what SGLang / vLLM run ------------------------------------------------------------
-_BASE = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=8, vocab_size=64, num_target_layers=6, target_layer_ids=[1, 3], mask_token_id=5, block_size=4,
-             sliding_window=8)  # fmt: skip
+_BASE = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 8, "vocab_size": 64, "num_target_layers": 6, "target_layer_ids": [1, 3], "mask_token_id": 5, "block_size": 4,
+             "sliding_window": 8}  # fmt: skip
 
 
 def _one_line(match, fn, *args, **kw):

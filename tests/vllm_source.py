@@ -22,15 +22,24 @@ __all__ = ["VLLMSource", "side_dir"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _FILES = ("qwen3_dflash", "qwen3_dflash2", "qwen2")
-WEIGHTED = {"QKVParallelLinear", "RowParallelLinear", "MergedColumnParallelLinear", "ReplicatedLinear",
-            "ColumnParallelLinear", "RMSNorm", "Linear"}  # fmt: skip  (layers holding .weight [/ .bias])
+WEIGHTED = {
+    "QKVParallelLinear",
+    "RowParallelLinear",
+    "MergedColumnParallelLinear",
+    "ReplicatedLinear",
+    "ColumnParallelLinear",
+    "RMSNorm",
+    "Linear",
+}  # fmt: skip  (layers holding .weight [/ .bias])
 WEIGHTLESS = {"Attention", "LogitsProcessor", "SiluAndMul"}
 # parameters the drafter does not ship: the target's embedding / head, optional extras
 SHARED = {"embed_tokens", "lm_head", "mask_embedding", "draft_id_to_target_id"}
 
 
 def side_dir(version: str) -> str:
-    return os.path.join(os.environ.get("SPECFORGE_CSBP_SIDE", os.path.join(ROOT, ".venv", "side")), f"vllm-{version}")
+    return os.path.join(
+        os.environ.get("SPECFORGE_CSBP_SIDE", os.path.join(ROOT, ".venv", "side")), f"vllm-{version}"
+    )
 
 
 class VLLMSource:
@@ -69,7 +78,9 @@ class VLLMSource:
             if (isinstance(n, ast.BinOp) and isinstance(n.op, ast.Add) and isinstance(n.left, ast.Constant)
                     and isinstance(n.right, ast.Name) and n.right.id == "name" and guarded):  # fmt: skip
                 return n.left.value
-        raise LookupError("DFlashQwen3ForCausalLM.load_weights: no `<prefix> + name` under `lm_head not in name`")
+        raise LookupError(
+            "DFlashQwen3ForCausalLM.load_weights: no `<prefix> + name` under `lm_head not in name`"
+        )
 
     # -- the parameter tree ----------------------------------------------------------------------------
     def _method(self, cls: str, name: str) -> ast.FunctionDef:
@@ -129,7 +140,9 @@ class VLLMSource:
             for attr, (child, is_list) in self.children(cls).items():
                 if attr in SHARED or child in WEIGHTLESS or not child[:1].isupper():
                     continue
-                for sub in [f"{path}{attr}.{i}." for i in range(num_layers)] if is_list else [f"{path}{attr}."]:
+                for sub in (
+                    [f"{path}{attr}.{i}." for i in range(num_layers)] if is_list else [f"{path}{attr}."]
+                ):
                     if child == "Parameter":
                         out.add(sub[:-1])
                     elif child in WEIGHTED:

@@ -43,7 +43,9 @@ def run(args: argparse.Namespace) -> int:
         args.checkpoint, args.out, to=args.to, overwrite=args.overwrite, dtype=args.dtype, target=args.target
     )
     out = os.path.abspath(result.out)
-    print(f"specforge-csbp export: {result.architecture} ({result.num_tensors} tensors, {result.dtype}) -> {out}")
+    print(
+        f"specforge-csbp export: {result.architecture} ({result.num_tensors} tensors, {result.dtype}) -> {out}"
+    )
     print(f"  dtype from: {result.dtype_source}")
     if result.contract:
         print(f"  {'vLLM' if args.to == 'vllm' else 'SGLang'} loader contract: OK ({result.contract})")

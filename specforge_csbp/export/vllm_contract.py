@@ -67,10 +67,16 @@ def check_vllm_export(config: Mapping[str, Any], tensors: Mapping[str, tuple[int
     for name in tensors:
         param, shard = vllm_name(name)
         if param not in want:
-            raise ValueError(f"export does not meet vLLM's loader contract: {name} -> {param} is no parameter")
+            raise ValueError(
+                f"export does not meet vLLM's loader contract: {name} -> {param} is no parameter"
+            )
         got.setdefault(param, set()).add(shard)
     missing = sorted(set(want) - set(got))
-    partial = sorted(p for p, s in got.items() if None not in s and s != ({"q", "k", "v"} if "qkv" in p else {0, 1}))
+    partial = sorted(
+        p for p, s in got.items() if None not in s and s != ({"q", "k", "v"} if "qkv" in p else {0, 1})
+    )
     if missing or partial:
-        raise ValueError(f"export does not meet vLLM's loader contract: missing {missing[:4]}, partial {partial[:4]}")
+        raise ValueError(
+            f"export does not meet vLLM's loader contract: missing {missing[:4]}, partial {partial[:4]}"
+        )
     return f"{len(got)} parameters loaded"

@@ -112,7 +112,9 @@ def target_dtype(target: str | None) -> str | None:
         if value is not None:
             value = str(value).replace("torch.", "")
             if value not in _DTYPES:
-                raise ValueError(f"--target: {path} declares dtype {value!r}; expected one of {', '.join(_DTYPES)}")
+                raise ValueError(
+                    f"--target: {path} declares dtype {value!r}; expected one of {', '.join(_DTYPES)}"
+                )
             return value
     return None
 

@@ -174,7 +174,6 @@ class DFlashConfig(Qwen3Config):
                     f"dflash_config.selector_top_k = {top_k} must be in 1..vocab_size = {self.vocab_size}"
                 )
 
-
     def _validate_causality(self, types: list[str]) -> None:
         """Train what the server runs: SGLang reads only the top-level is_causal (True: every layer causal,
         False: every layer bidirectional, unset: sliding layers causal, full layers bidirectional) and ignores
