@@ -62,7 +62,9 @@ def problems(version: str, export_dir: str, trained) -> list[str]:
         return [f"SGLang {version} refused it: {type(err).__name__}: {str(err).splitlines()[0]}"]
     out = [f"ignored {n}" for n in result.ignored] + [f"missing {n}" for n in result.missing]
     out += [f"partial {n}" for n in result.partial]
-    state = {k: v.detach().to(torch.float64) for k, v in trained.state_dict().items()}
+    with open(os.path.join(export_dir, "config.json")) as f:
+        dtype = getattr(torch, json.load(f)["dtype"])  # the export's dtype: trained values rounded to it
+    state = {k: v.detach().to(dtype).to(torch.float64) for k, v in trained.state_dict().items()}
     for name, value in result.params.items():
         want = _trained_value(state, name)
         if want is None or tuple(want.shape) != tuple(value.shape) or not torch.equal(want, value):
@@ -283,3 +285,18 @@ def _load_trained(export: str):
     model = cls(ckpt.config)
     model.load_state_dict(ckpt.state_dict, strict=True)
     return model
+
+
+def test_an_export_for_a_bf16_target_is_bf16_in_sglang(tmp_path):
+    """The export takes the target's dtype: SGLang reads a bf16 config (its --dtype auto keeps it) and bf16
+    weights holding the trained values rounded to bf16."""
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"model_type": "qwen3", "torch_dtype": "bfloat16"}))
+    model = _tiny(True)
+    model.save_pretrained(tmp_path / "trained")
+    out = str(tmp_path / "export")
+    export_drafter(str(tmp_path / "trained"), out, to="sglang", target=str(target))
+    assert {v.dtype for v in load_file(os.path.join(out, "model.safetensors")).values()} == {torch.bfloat16}
+    assert str(sglang(NEWEST).build(out).config.dtype).replace("torch.", "") == "bfloat16"
+    assert problems(NEWEST, out, model) == []
