@@ -111,6 +111,8 @@ def test_floors_and_serve_commands(tmp_path, capsys):
     printed = capsys.readouterr().out
     provenance = json.loads((out / "provenance.json").read_text())
     assert provenance["min_versions"] == {"sglang": "0.5.19", "vllm": "0.28.0"}
+    assert "loader contracts met: SGLang, vLLM (30 parameters loaded)" in printed
+    assert provenance["sglang_contract"] == provenance["vllm_contract"] == "30 parameters loaded"
     commands = serve_commands(str(out.resolve()), provenance["config"])
     assert "serve with SGLang (sglang>=0.5.19):" in printed and "serve with vLLM (vllm>=0.28.0):" in printed
     assert commands["sglang"].split("\n")[1] in printed and commands["vllm"].split("\n")[1] in printed

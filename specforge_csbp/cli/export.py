@@ -47,12 +47,13 @@ def run(args: argparse.Namespace) -> int:
         f"specforge-csbp export: {result.architecture} ({result.num_tensors} tensors, {result.dtype}) -> {out}"
     )
     print(f"  dtype from: {result.dtype_source}")
-    if result.contract:
-        print(f"  {'vLLM' if args.to == 'vllm' else 'SGLang'} loader contract: OK ({result.contract})")
+    if args.to != "hf":
+        names = {"sglang": "SGLang", "vllm": "vLLM"}
+        print(f"  loader contracts met: {', '.join(names[s] for s in result.servers)} ({result.contract})")
     print(f"  provenance: {os.path.join(out, 'provenance.json')}")
     if args.to != "hf":
         target = os.path.abspath(args.target) if args.target else "<TARGET_MODEL>"
-        for server, command in serve_commands(out, result.config, target).items():
+        for server, command in serve_commands(out, result.config, target, result.servers).items():
             floor, line = command.split("\n")
             print(f"  serve with {'SGLang' if server == 'sglang' else 'vLLM'} ({floor.lstrip('# ')}):")
             print(f"    {line}")

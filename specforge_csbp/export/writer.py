@@ -56,6 +56,7 @@ class ExportResult:
     dtype: str = "float32"
     dtype_source: str = "checkpoint"
     config: dict | None = None
+    servers: tuple[str, ...] = ()  # the servers whose loader contract the export meets
 
 
 def _check_out(out: str, overwrite: bool) -> None:
@@ -160,7 +161,7 @@ def export_drafter(
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        contract = None
+        contracts: dict[str, str] = {}
         if to == "hf":
             model.save_pretrained(tmp, safe_serialization=True)
             with open(os.path.join(tmp, "config.json"), encoding="utf-8") as f:
@@ -170,9 +171,12 @@ def export_drafter(
             config = _serving_config(model, dtype_name)
             tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
             shapes = {k: tuple(v.shape) for k, v in tensors.items()}
-            contract = check_export(config, shapes).summary()
-            if to == "vllm":
-                contract = check_vllm_export(config, shapes)
+            contracts["sglang"] = check_export(config, shapes).summary()
+            try:  # --to vllm must meet vLLM's contract; --to sglang says whether vLLM would load it too
+                contracts["vllm"] = check_vllm_export(config, shapes)
+            except ValueError:
+                if to == "vllm":
+                    raise
             with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
                 json.dump(config, f, indent=2, sort_keys=True)
                 f.write("\n")
@@ -184,8 +188,10 @@ def export_drafter(
                        "kind": ckpt.kind, "strategy": ckpt.strategy, "global_step": ckpt.global_step,
                        **ckpt.extra},
             "architecture": ckpt.architecture, "dtype": dtype_name, "dtype_source": dtype_source,
-            "config": config, "files": files, f"{to}_contract": contract,
-            "min_versions": server_floors(config) if to != "hf" else None,
+            "config": config, "files": files,
+            **{f"{server}_contract": contracts.get(server) for server in ("sglang", "vllm")},
+            "min_versions": ({k: v for k, v in server_floors(config).items() if k in contracts}
+                             if contracts else None),
         }  # fmt: skip
         with open(os.path.join(tmp, PROVENANCE), "w", encoding="utf-8") as f:
             json.dump(provenance, f, indent=2, sort_keys=True, default=str)
@@ -197,8 +203,8 @@ def export_drafter(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ExportResult(
-        out, ckpt.architecture, int(model.block_size), len(model.state_dict()), contract, dtype_name, dtype_source,
-        config,
+        out, ckpt.architecture, int(model.block_size), len(model.state_dict()), contracts.get(to), dtype_name,
+        dtype_source, config, tuple(contracts),
     )  # fmt: skip
 
 
@@ -210,7 +216,12 @@ def load_exported(out: str):
     return _model(ckpt, next(iter(ckpt.state_dict.values())).dtype)
 
 
-def serve_commands(draft_dir: str, config: dict, target: str = "<TARGET_MODEL>") -> dict[str, str]:
+def serve_commands(
+    draft_dir: str,
+    config: dict,
+    target: str = "<TARGET_MODEL>",
+    servers: tuple[str, ...] = ("sglang", "vllm"),
+) -> dict[str, str]:
     """The exact commands that serve `target` with the exported drafter, per server, with the floor release.
 
     SGLang: DFlash and DFlash2 both run under --speculative-algorithm DFLASH (the class comes from
@@ -224,7 +235,7 @@ def serve_commands(draft_dir: str, config: dict, target: str = "<TARGET_MODEL>")
     types = set(config.get("layer_types") or ["full_attention"])
     spec = json.dumps({"method": "dflash", "model": draft_dir, "num_speculative_tokens": block - 1})
     v2 = "VLLM_USE_V2_MODEL_RUNNER=1 " if len(types) > 1 else ""
-    return {
+    commands = {
         "sglang": (
             f"# sglang>={floors['sglang']}\n"
             f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
@@ -232,6 +243,7 @@ def serve_commands(draft_dir: str, config: dict, target: str = "<TARGET_MODEL>")
         ),
         "vllm": f"# vllm>={floors['vllm']}\n{v2}vllm serve {target} --speculative-config '{spec}'",
     }
+    return {server: commands[server] for server in servers}
 
 
 def serve_command(draft_dir: str, block_size: int, target: str = "<TARGET_MODEL>") -> str:
