@@ -13,9 +13,10 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps specforge==0.2.0
 # The real-loader contract test (tests/test_export_real_loaders.py) imports SGLang's own DFlash drafter code:
 # sglang wheels without their dependencies, each in its own side dir (cached; a failed unpack is redone).
-# 0.5.14 = SpecForge 0.2.0's pin (DFlash only), 0.5.19 = the first release with DFlash2, 0.5.23 = the newest.
+# 0.5.14 = SpecForge 0.2.0's pin (DFlash only), 0.5.17 / 0.5.18 = before / from a top-level is_causal: false,
+# 0.5.19 = the first release with DFlash2, 0.5.23 = the newest.
 # vLLM's wheel is only read (its DFlash model files cannot be imported without vLLM's GPU runtime).
-for spec in sglang==0.5.14 sglang==0.5.19 sglang==0.5.23; do
+for spec in sglang==0.5.14 sglang==0.5.17 sglang==0.5.18 sglang==0.5.19 sglang==0.5.23; do
   side=".venv/side/${spec/==/-}"
   if [ ! -f "$side/.complete" ]; then
     rm -rf "$side"

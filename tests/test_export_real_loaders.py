@@ -137,17 +137,49 @@ def test_specforge_pin_serves_dflash_but_not_dflash2(tmp_path):
 def test_sglang_runs_each_layer_as_causal_as_the_trainer(tmp_path, version, layer_types, is_causal):
     """The configs the drafter validation lets through (is_causal false, unset, or true on sliding layers
     only) are served with the trainer's visibility in every layer."""
-    from specforge_csbp.models.dflash.configuration import make_dflash_config
-
-    config = make_dflash_config(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, vocab_size=64, num_target_layers=6, target_layer_ids=[1, 3], mask_token_id=5, block_size=4,
-        layer_types=layer_types, sliding_window=8, dflash2=True, conv_kernel_size=2, conv_group_size=8,
-        selector_rank=4, selector_top_k=4, is_causal=is_causal,
-    )  # fmt: skip
+    config = _causal_config(layer_types, is_causal, dflash2=True)
     torch.manual_seed(0)
     model = DFlash2DraftModel(config)
     assert problems(version, _export(tmp_path, model), model) == []
+
+
+def _causal_config(layer_types, is_causal, dflash2=False):
+    from specforge_csbp.models.dflash.configuration import make_dflash_config
+
+    return make_dflash_config(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, vocab_size=64, num_target_layers=6, target_layer_ids=[1, 3], mask_token_id=5, block_size=4,
+        layer_types=layer_types, sliding_window=8, dflash2=dflash2, conv_kernel_size=2, conv_group_size=8,
+        selector_rank=4, selector_top_k=4, is_causal=is_causal,
+    )  # fmt: skip
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split("."))
+
+
+@pytest.mark.parametrize(
+    "dflash2,layer_types,is_causal",
+    [(False, ["sliding_attention", "full_attention"], False), (False, ["sliding_attention", "full_attention"], None),
+     (True, ["sliding_attention", "full_attention"], False), (False, ["full_attention"] * 2, False)],
+)  # fmt: skip
+def test_the_floor_in_provenance_is_the_first_release_that_serves_the_export_as_trained(
+    tmp_path, dflash2, layer_types, is_causal
+):
+    """provenance.json's min_versions.sglang serves the export exactly; every tested release below it does not
+    (0.5.14-0.5.17 keep a sliding layer causal under is_causal: false; before 0.5.19 there is no DFlash2)."""
+    torch.manual_seed(0)
+    model = (DFlash2DraftModel if dflash2 else DFlashDraftModel)(
+        _causal_config(layer_types, is_causal, dflash2)
+    )
+    out = _export(tmp_path, model)
+    with open(os.path.join(out, "provenance.json")) as f:
+        floor = json.load(f)["min_versions"]["sglang"]
+    for version in (SPECFORGE_PIN, "0.5.17", "0.5.18", DFLASH2_FLOOR, NEWEST):
+        assert (problems(version, out, model) == []) is (_release(version) >= _release(floor)), (
+            version,
+            floor,
+        )
 
 
 def _reduced(raw: dict) -> dict:

@@ -38,7 +38,7 @@ TARGETS = ("sglang", "vllm", "hf")
 # SGLang 0.5.14 (SpecForge 0.2.0's pin) registers only DFlashDraftModel; DFlash2DraftModel arrives in 0.5.19.
 # Checked in CI against the wheels' own loaders (tests/test_export_real_loaders.py).
 SGLANG_FLOORS = {"DFlashDraftModel": "0.5.14", "DFlash2DraftModel": "0.5.19"}
-# A top-level is_causal is honoured (true and false) from SGLang 0.5.18 on; before, false is ignored.
+# A top-level is_causal: false is honoured from SGLang 0.5.18 on; before, sliding layers stay causal.
 SGLANG_IS_CAUSAL_FLOOR = "0.5.18"
 # vLLM: DFlash2 (qwen3_dflash2.py) and the top-level is_causal arrive in 0.28.0 (read from the wheels).
 VLLM_FLOORS = {"DFlashDraftModel": "0.28.0", "DFlash2DraftModel": "0.28.0"}
@@ -124,8 +124,8 @@ def server_floors(config: dict) -> dict[str, str]:
     """The minimum SGLang / vLLM releases that serve this drafter config as trained."""
     arch = config["architectures"][0]
     sglang = SGLANG_FLOORS[arch]
-    if config.get("is_causal") is not None and arch == "DFlashDraftModel":
-        sglang = SGLANG_IS_CAUSAL_FLOOR
+    if config.get("is_causal") is False and "sliding_attention" in (config.get("layer_types") or []):
+        sglang = max(sglang, SGLANG_IS_CAUSAL_FLOOR, key=lambda v: tuple(map(int, v.split("."))))
     return {"sglang": sglang, "vllm": VLLM_FLOORS[arch]}
 
 
