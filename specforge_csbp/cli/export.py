@@ -1,10 +1,12 @@
-"""`specforge-csbp export`: a trained CSBP drafter as a directory SGLang (or transformers) loads.
+"""`specforge-csbp export`: a trained CSBP drafter as a directory SGLang, vLLM (or transformers) loads.
 
-    specforge-csbp export --to sglang CHECKPOINT OUT [--dtype bfloat16] [--overwrite] [--target MODEL]
+    specforge-csbp export --to sglang|vllm|hf CHECKPOINT OUT [--target MODEL] [--dtype bfloat16] [--overwrite]
 
 CHECKPOINT is a SpecForge run root (its `*-latest`), a `<run_id>-stepN` directory, a `training_state.pt`,
 or a saved drafter directory. OUT gets config.json, model.safetensors and provenance.json; `--to sglang`
-first replays SGLang's DFLASH / DFLASH2 loader on the export and refuses to write one it would misload.
+first replays SGLang's DFLASH / DFLASH2 loader on the export, `--to vllm` also vLLM's, and refuses to write
+one it would misload. The weights take the target's dtype (config.json of `--target`) unless `--dtype` is
+given; without either they stay as trained. The serve commands printed name the minimum server releases.
 """
 
 from __future__ import annotations
@@ -17,31 +19,42 @@ __all__ = ["register", "run"]
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "export", help="export a trained drafter for SGLang (--to sglang) or transformers (--to hf)",
+        "export", help="export a trained drafter for SGLang (--to sglang), vLLM (--to vllm) or transformers (--to hf)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
-    p.add_argument("--to", choices=("sglang", "hf"), required=True)
+    p.add_argument("--to", choices=("sglang", "vllm", "hf"), required=True)
     p.add_argument("checkpoint", metavar="CHECKPOINT")
     p.add_argument("out", metavar="OUT")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="weight dtype of the export (default: as trained)")  # fmt: skip
+                   help="weight dtype of the export (default: the target's, from --target's config.json; "
+                        "else as trained)")  # fmt: skip
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it is an earlier export")
     p.add_argument(
-        "--target", default="<TARGET_MODEL>", help="target model path, for the printed serve command"
-    )
+        "--target", default=None,
+        help="target model directory: its dtype is the export's default, its path goes into the serve command",
+    )  # fmt: skip
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..export.writer import export_drafter, serve_command
+    from ..export.writer import export_drafter, serve_commands
 
-    result = export_drafter(args.checkpoint, args.out, to=args.to, overwrite=args.overwrite, dtype=args.dtype)
+    result = export_drafter(
+        args.checkpoint, args.out, to=args.to, overwrite=args.overwrite, dtype=args.dtype, target=args.target
+    )
     out = os.path.abspath(result.out)
-    print(f"specforge-csbp export: {result.architecture} ({result.num_tensors} tensors) -> {out}")
-    if result.contract:
-        print(f"  SGLang loader contract: OK ({result.contract})")
+    print(
+        f"specforge-csbp export: {result.architecture} ({result.num_tensors} tensors, {result.dtype}) -> {out}"
+    )
+    print(f"  dtype from: {result.dtype_source}")
+    if args.to != "hf":
+        names = {"sglang": "SGLang", "vllm": "vLLM"}
+        print(f"  loader contracts met: {', '.join(names[s] for s in result.servers)} ({result.contract})")
     print(f"  provenance: {os.path.join(out, 'provenance.json')}")
-    if args.to == "sglang":
-        print("  serve with SGLang:")
-        print(f"    {serve_command(out, result.block_size, args.target)}")
+    if args.to != "hf":
+        target = os.path.abspath(args.target) if args.target else "<TARGET_MODEL>"
+        for server, command in serve_commands(out, result.config, target, result.servers).items():
+            floor, line = command.split("\n")
+            print(f"  serve with {'SGLang' if server == 'sglang' else 'vLLM'} ({floor.lstrip('# ')}):")
+            print(f"    {line}")
     return 0

@@ -1,15 +1,19 @@
-"""Write an exported drafter directory (`--to sglang` or `--to hf`) with its provenance.
+"""Write an exported drafter directory (`--to sglang`, `--to vllm` or `--to hf`) with its provenance.
 
     OUT/
-      config.json          the drafter config (SGLang's fields; `--to sglang` checks them like SGLang does)
-      model.safetensors    drafter weights under SGLang's names (q/k/v and gate/up unfused: SGLang fuses)
-      provenance.json      source checkpoint path + sha256, strategy, step, config, objective, file hashes
+      config.json          the drafter config (the serving fields; checked the way the server parses them)
+      model.safetensors    drafter weights under the checkpoint names both servers read (q/k/v and gate/up
+                           unfused: SGLang and vLLM fuse on load; no `model.` prefix: vLLM adds its own)
+      provenance.json      source checkpoint path + sha256, strategy, step, config, objective, file hashes,
+                           dtype (and where it came from), the minimum SGLang / vLLM releases that load it
 
-Both targets hold the same tensors; `--to hf` is `save_pretrained` (loadable with
-`specforge_csbp.models.dflash.DFlash2DraftModel.from_pretrained(OUT)`), `--to sglang` is additionally
-checked against SGLang's loader contract (export/sglang_contract.py) and fails instead of writing a directory
-SGLang would load with silently missing weights. The directory is written next to OUT and renamed into
-place, so OUT is either complete or absent.
+`--to hf` is `save_pretrained` (loadable with `DFlash2DraftModel.from_pretrained(OUT)`); `--to sglang` is
+checked against SGLang's loader contract (export/sglang_contract.py), `--to vllm` against vLLM's as well
+(export/vllm_contract.py); either fails instead of writing a directory the server would load with silently
+missing weights. The dtype is the target model's (its config's `torch_dtype` / `dtype`) unless `--dtype`
+says otherwise: SGLang's `--dtype auto` serves a float32 drafter config as float16, so a drafter exported
+in float32 beside a bf16 target would run in neither dtype. The directory is written next to OUT and
+renamed into place, so OUT is either complete or absent.
 """
 
 from __future__ import annotations
@@ -23,10 +27,21 @@ import torch
 
 from .checkpoint import DrafterCheckpoint, load_checkpoint, sha256_file
 
-__all__ = ["EXPORT_FORMAT", "TARGETS", "ExportResult", "export_drafter", "load_exported", "serve_command"]
+__all__ = [
+    "EXPORT_FORMAT", "SGLANG_FLOORS", "TARGETS", "VLLM_FLOORS", "ExportResult", "export_drafter", "load_exported",
+    "serve_command", "serve_commands", "server_floors", "target_dtype",
+]  # fmt: skip
 
 EXPORT_FORMAT = "specforge-csbp-export/1"
-TARGETS = ("sglang", "hf")
+TARGETS = ("sglang", "vllm", "hf")
+# The first releases that load each architecture as this project trains it (docs/specforge.md, "Serving"):
+# SGLang 0.5.14 (SpecForge 0.2.0's pin) registers only DFlashDraftModel; DFlash2DraftModel arrives in 0.5.19.
+# Checked in CI against the wheels' own loaders (tests/test_export_real_loaders.py).
+SGLANG_FLOORS = {"DFlashDraftModel": "0.5.14", "DFlash2DraftModel": "0.5.19"}
+# A top-level is_causal: false is honoured from SGLang 0.5.18 on; before, sliding layers stay causal.
+SGLANG_IS_CAUSAL_FLOOR = "0.5.18"
+# vLLM: DFlash2 (qwen3_dflash2.py) and the top-level is_causal arrive in 0.28.0 (read from the wheels).
+VLLM_FLOORS = {"DFlashDraftModel": "0.28.0", "DFlash2DraftModel": "0.28.0"}
 _DTYPES = ("float32", "bfloat16", "float16")
 PROVENANCE = "provenance.json"
 
@@ -37,7 +52,11 @@ class ExportResult:
     architecture: str
     block_size: int
     num_tensors: int
-    contract: str | None  # the SGLang loader-contract summary (sglang only)
+    contract: str | None  # the loader-contract summary (sglang / vllm)
+    dtype: str = "float32"
+    dtype_source: str = "checkpoint"
+    config: dict | None = None
+    servers: tuple[str, ...] = ()  # the servers whose loader contract the export meets
 
 
 def _check_out(out: str, overwrite: bool) -> None:
@@ -81,13 +100,46 @@ def _serving_config(model, dtype_name: str) -> dict:
     return data
 
 
+def target_dtype(target: str | None) -> str | None:
+    """The dtype a target model directory declares (config.json `dtype` / `torch_dtype`, or its text_config's);
+    None when there is no such directory or it declares none."""
+    path = os.path.join(target, "config.json") if target else ""
+    if not path or not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    for where in (config, config.get("text_config") or {}):
+        value = where.get("dtype") or where.get("torch_dtype")
+        if value is not None:
+            value = str(value).replace("torch.", "")
+            if value not in _DTYPES:
+                raise ValueError(
+                    f"--target: {path} declares dtype {value!r}; expected one of {', '.join(_DTYPES)}"
+                )
+            return value
+    return None
+
+
+def server_floors(config: dict) -> dict[str, str]:
+    """The minimum SGLang / vLLM releases that serve this drafter config as trained."""
+    arch = config["architectures"][0]
+    sglang = SGLANG_FLOORS[arch]
+    if config.get("is_causal") is False and "sliding_attention" in (config.get("layer_types") or []):
+        sglang = max(sglang, SGLANG_IS_CAUSAL_FLOOR, key=lambda v: tuple(map(int, v.split("."))))
+    return {"sglang": sglang, "vllm": VLLM_FLOORS[arch]}
+
+
 def export_drafter(
-    checkpoint: str, out: str, *, to: str = "sglang", overwrite: bool = False, dtype: str | None = None
-) -> ExportResult:
+    checkpoint: str, out: str, *, to: str = "sglang", overwrite: bool = False, dtype: str | None = None,
+    target: str | None = None,
+) -> ExportResult:  # fmt: skip
+    """Export CHECKPOINT to OUT for `to`. dtype: --dtype, else the target's (`target` = its directory), else
+    the weights' dtype as trained."""
     from safetensors.torch import save_file
 
     from .. import __version__
     from .sglang_contract import check_export
+    from .vllm_contract import check_vllm_export
 
     if to not in TARGETS:
         raise ValueError(f"--to must be one of {', '.join(TARGETS)}; got {to!r}")
@@ -95,16 +147,21 @@ def export_drafter(
         raise ValueError(f"--dtype must be one of {', '.join(_DTYPES)}; got {dtype!r}")
     _check_out(out, overwrite)
     ckpt = load_checkpoint(checkpoint)
-    source_dtype = next(iter(ckpt.state_dict.values())).dtype
-    target = getattr(torch, dtype) if dtype else source_dtype
-    model = _model(ckpt, target)
-    dtype_name = str(target).replace("torch.", "")
+    declared = target_dtype(target)
+    if dtype is not None:
+        dtype_name, dtype_source = dtype, "--dtype"
+    elif declared is not None:
+        dtype_name, dtype_source = declared, f"target {os.path.abspath(target)}"
+    else:
+        dtype_name = str(next(iter(ckpt.state_dict.values())).dtype).replace("torch.", "")
+        dtype_source = "checkpoint (no target config named)"
+    model = _model(ckpt, getattr(torch, dtype_name))
 
     tmp = f"{out.rstrip('/')}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        contract = None
+        contracts: dict[str, str] = {}
         if to == "hf":
             model.save_pretrained(tmp, safe_serialization=True)
             with open(os.path.join(tmp, "config.json"), encoding="utf-8") as f:
@@ -113,8 +170,13 @@ def export_drafter(
         else:
             config = _serving_config(model, dtype_name)
             tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-            report = check_export(config, {k: tuple(v.shape) for k, v in tensors.items()})
-            contract = report.summary()
+            shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+            contracts["sglang"] = check_export(config, shapes).summary()
+            try:  # --to vllm must meet vLLM's contract; --to sglang says whether vLLM would load it too
+                contracts["vllm"] = check_vllm_export(config, shapes)
+            except ValueError:
+                if to == "vllm":
+                    raise
             with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
                 json.dump(config, f, indent=2, sort_keys=True)
                 f.write("\n")
@@ -125,8 +187,11 @@ def export_drafter(
             "source": {"path": os.path.abspath(ckpt.source), "sha256": sha256_file(ckpt.source),
                        "kind": ckpt.kind, "strategy": ckpt.strategy, "global_step": ckpt.global_step,
                        **ckpt.extra},
-            "architecture": ckpt.architecture, "dtype": dtype_name, "config": config, "files": files,
-            "sglang_contract": contract,
+            "architecture": ckpt.architecture, "dtype": dtype_name, "dtype_source": dtype_source,
+            "config": config, "files": files,
+            **{f"{server}_contract": contracts.get(server) for server in ("sglang", "vllm")},
+            "min_versions": ({k: v for k, v in server_floors(config).items() if k in contracts}
+                             if contracts else None),
         }  # fmt: skip
         with open(os.path.join(tmp, PROVENANCE), "w", encoding="utf-8") as f:
             json.dump(provenance, f, indent=2, sort_keys=True, default=str)
@@ -137,7 +202,10 @@ def export_drafter(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ExportResult(out, ckpt.architecture, int(model.block_size), len(model.state_dict()), contract)
+    return ExportResult(
+        out, ckpt.architecture, int(model.block_size), len(model.state_dict()), contracts.get(to), dtype_name,
+        dtype_source, config, tuple(contracts),
+    )  # fmt: skip
 
 
 def load_exported(out: str):
@@ -146,6 +214,36 @@ def load_exported(out: str):
 
     ckpt = load_checkpoint(out)
     return _model(ckpt, next(iter(ckpt.state_dict.values())).dtype)
+
+
+def serve_commands(
+    draft_dir: str,
+    config: dict,
+    target: str = "<TARGET_MODEL>",
+    servers: tuple[str, ...] = ("sglang", "vllm"),
+) -> dict[str, str]:
+    """The exact commands that serve `target` with the exported drafter, per server, with the floor release.
+
+    SGLang: DFlash and DFlash2 both run under --speculative-algorithm DFLASH (the class comes from
+    `architectures`); --speculative-num-draft-tokens is the trained block size.
+    vLLM: method "dflash"; num_speculative_tokens counts the drafted tokens without the bonus token, and
+    DFlash2's in-block convolution is built for 1 + num_speculative_tokens rows, so it is block_size - 1.
+    A drafter that mixes sliding and full layers needs vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1).
+    """
+    floors = server_floors(config)
+    block = int((config.get("dflash_config") or {}).get("block_size", config.get("block_size")))
+    types = set(config.get("layer_types") or ["full_attention"])
+    spec = json.dumps({"method": "dflash", "model": draft_dir, "num_speculative_tokens": block - 1})
+    v2 = "VLLM_USE_V2_MODEL_RUNNER=1 " if len(types) > 1 else ""
+    commands = {
+        "sglang": (
+            f"# sglang>={floors['sglang']}\n"
+            f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
+            f"--speculative-draft-model-path {draft_dir} --speculative-num-draft-tokens {block} --trust-remote-code"
+        ),
+        "vllm": f"# vllm>={floors['vllm']}\n{v2}vllm serve {target} --speculative-config '{spec}'",
+    }
+    return {server: commands[server] for server in servers}
 
 
 def serve_command(draft_dir: str, block_size: int, target: str = "<TARGET_MODEL>") -> str:

@@ -11,7 +11,10 @@ config.json of an exported drafter (the serving contract, tests/test_dflash_cont
                            mask_token_id,
                            DFlash2 only: conv_kernel_size, conv_group_size, selector_rank, selector_top_k}
     layer_types           full_attention | sliding_attention per draft layer, with sliding_window
-    is_causal             optional; False makes sliding layers bidirectional inside a block
+    is_causal             optional; False makes every layer bidirectional inside a block (the trainer and
+                          SGLang / vLLM agree); True is refused unless every layer is sliding_attention
+                          (SGLang / vLLM would make full_attention layers causal, the trainer does not), and
+                          dflash_config.causal is refused (SGLang ignores it, vLLM applies it to every layer)
 
 Validation errors are one line and name the field (`validate_dflash`).
 """
@@ -90,10 +93,9 @@ class DFlashConfig(Qwen3Config):
 
     @property
     def sliding_layers_causal(self) -> bool:
-        """Sliding layers see their own block causally unless the config says is_causal = false."""
+        """Sliding layers see their own block causally unless the config says is_causal = false (full layers
+        are always bidirectional: `validate_dflash` refuses configs a server would run otherwise)."""
         value = getattr(self, "is_causal", None)
-        if value is None:
-            value = self.dflash.get("causal")
         return True if value is None else bool(value)
 
     def dflash2_field(self, name: str) -> int:
@@ -155,6 +157,7 @@ class DFlashConfig(Qwen3Config):
             )
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act must be silu; got {self.hidden_act!r}")
+        self._validate_causality(types)
         if self.is_dflash2:
             taps, group = self.dflash2_field("conv_kernel_size"), self.dflash2_field("conv_group_size")
             rank, top_k = self.dflash2_field("selector_rank"), self.dflash2_field("selector_top_k")
@@ -170,6 +173,25 @@ class DFlashConfig(Qwen3Config):
                 raise ValueError(
                     f"dflash_config.selector_top_k = {top_k} must be in 1..vocab_size = {self.vocab_size}"
                 )
+
+    def _validate_causality(self, types: list[str]) -> None:
+        """Train what the server runs: SGLang reads only the top-level is_causal (True: every layer causal,
+        False: every layer bidirectional, unset: sliding layers causal, full layers bidirectional) and ignores
+        dflash_config.causal, which vLLM applies to every layer."""
+        if "causal" in self.dflash:
+            raise ValueError(
+                f"dflash_config.causal = {self.dflash['causal']!r} is not read by SGLang (vLLM applies it to every "
+                "layer); remove it and set the top-level is_causal: false (every layer bidirectional) or leave it "
+                "unset (sliding layers causal)"
+            )
+        value = getattr(self, "is_causal", None)
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"is_causal must be true, false or unset; got {value!r}")
+        if value is True and "full_attention" in types:
+            raise ValueError(
+                "is_causal = true makes SGLang and vLLM run full_attention layers causally, which the trainer keeps "
+                "bidirectional; allowed: false, unset, or true only when every layer is sliding_attention"
+            )
 
 
 def make_dflash_config(
