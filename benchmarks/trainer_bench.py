@@ -13,13 +13,15 @@
                                each run (the trace is copied out first)
 
     order   records -> stock `specforge train` -> import -> delete records -> `specforge train --csbp`
-            (disk: at most the records + the store, or one of them + one checkpoint; --keep-data keeps them)
+            (disk: at most the records + the store, during the import; --keep-data keeps both)
 
 What is measured is what the trainers log themselves: both run SpecForge's TrainerController, which prints
 `step N: {...}` per optimizer step (training.log_interval 1) with perf/optimizer_step_time_s (wall time of
 the step's window: data, compute, logging, acks), perf/data_wait_time_s and perf/train_compute_time_s
 (forward + backward + optimizer step). `step_ms` is the median over the steps after --warmup, excluding
-the --profile-steps profiled ones at the end. Neither trainer logs memory: a child wrapper around each
+the --profile-steps profiled ones at the end and the first step of each epoch (`epoch_first_step_ms`: the
+data loader restarts, the plugin's look-ahead has no previous batch). Each trainer's final checkpoint is
+skipped (after the last step; --checkpoint keeps it). Neither trainer logs memory: a child wrapper around each
 trainer's own entry point writes torch.cuda.max_memory_allocated() (CPU: peak RSS) when it exits.
 
 Each trainer's step broken down (record field `breakdown_ms`, per optimizer step):
@@ -66,6 +68,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 MODES = ("specforge", "csbp")
 TRACE_LIMIT_BYTES = 16 << 20  # the GPU machine brings back files up to 16 MiB
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+NO_CHECKPOINT_ENV = "TRAINER_BENCH_NO_CHECKPOINT"
 _STEP_LINE = re.compile(r"^step (\d+): (\{.*\})$", flags=re.MULTILINE)
 
 
@@ -85,6 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="records file (JSON lines)")
     p.add_argument("--trace-dir", default=None, help="copy each run's profile (chrome trace, <= 16 MiB) here")
     p.add_argument("--keep-data", action="store_true", help="keep the records and the store (checkpoints never)")
+    p.add_argument("--checkpoint", action="store_true", help="let each trainer save its final checkpoint")
     p.add_argument("--timeout", type=int, default=540, help="seconds per trainer run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: run one trainer in this process
@@ -113,6 +117,12 @@ def run_child(peak_path: str, argv: list[str]) -> int:
 
     import torch
 
+    if os.environ.get(NO_CHECKPOINT_ENV):
+        # the final checkpoint (SpecForge's Trainer.fit saves one after the last step: 23 GB and a minute
+        # for the 27B shape) is written after every timed step; skipping it changes no step's time
+        from specforge.training.trainer import Trainer
+
+        Trainer.save_checkpoint = lambda self: None
     try:
         if "--csbp" in argv:
             from specforge_csbp.plugin.launch import train_main
@@ -224,7 +234,8 @@ def launch(args, mode: str, run: dict, work: str) -> tuple[str, dict, int]:
     trainer = ["train", "-c", cfg_path] + (["--csbp", "csbp.cp_size=1"] if mode == "csbp" else [])
     cmd = [sys.executable, os.path.abspath(__file__), "--draft-config", args.draft_config, "--work", work,
            "--out", args.out, "--child", peak_path, "--", *trainer]  # fmt: skip
-    env = dict(os.environ, SPECFORGE_CSBP_DISABLE="1", PYTHONPATH=os.pathsep.join(
+    env = dict(os.environ, SPECFORGE_CSBP_DISABLE="1", **({NO_CHECKPOINT_ENV: "1"} if not args.checkpoint else {}),
+               PYTHONPATH=os.pathsep.join(
         [os.path.abspath(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))  # fmt: skip
     print(f"== {mode}: {shlex.join(['specforge', *trainer])}", flush=True)
     try:
@@ -254,8 +265,16 @@ def step_metrics(log: str) -> dict[int, dict[str, float]]:
 
 
 def timed_steps(args) -> list[int]:
-    """Steps in the median: after the warm-up, before the profiled ones (1-based, as SpecForge counts)."""
-    return list(range(args.warmup + 1, args.steps - args.profile_steps + 1))
+    """Steps in the median (1-based, as SpecForge counts): after the warm-up, before the profiled ones, and
+    not the first of an epoch (a new epoch restarts the data loader, and the plugin's look-ahead starts
+    with the epoch's second batch: plugin/lookahead.py) unless every step is one."""
+    steps = list(range(args.warmup + 1, args.steps - args.profile_steps + 1))
+    inner = [s for s in steps if (s - 1) % args.samples]
+    return inner or steps
+
+
+def epoch_first_steps(args) -> list[int]:
+    return [s for s in range(args.warmup + 1, args.steps - args.profile_steps + 1) if not (s - 1) % args.samples]
 
 
 def _metric(m: dict, name: str) -> float | None:
@@ -307,12 +326,14 @@ def make_record(args, mode, length, block_size, log, peak, rc, device_name, name
     want = timed_steps(args)
     step_s = [_metric(metrics[s], "perf/optimizer_step_time_s") for s in want if s in metrics]
     step_s = [x for x in step_s if x is not None]
+    firsts = [_metric(metrics[s], "perf/optimizer_step_time_s") for s in epoch_first_steps(args) if s in metrics]
     record = dict(
         workload=f"trainer-{name}", mode=mode, world_size=1, context_len=length, block_size=block_size,
         device=device_name, date=datetime.date.today().isoformat(), code=library_digest(),
         command=shlex.join(["python", os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
         anchors=args.anchors, dflash2=not args.no_dflash2, samples=args.samples, steps=args.steps,
         warmup=args.warmup, timed_steps=len(step_s),
+        epoch_first_step_ms=round(statistics.median(firsts) * 1e3, 2) if firsts and firsts != step_s else None,
         steps_ms=[round(float(_metric(metrics[s], "perf/optimizer_step_time_s") or 0) * 1e3, 2) for s in sorted(metrics)],
         status="ok",
     )  # fmt: skip

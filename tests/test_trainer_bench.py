@@ -53,7 +53,7 @@ def test_bad_arguments_name_the_flag():
 def test_both_trainers_on_identical_bytes(tmp_path):
     work, out = tmp_path / "work", tmp_path / "rec.jsonl"
     rc = trainer_bench.main([
-        "--draft-config", DRAFTER, "--no-dflash2", "--context", "256", "--samples", "2", "--steps", "4",
+        "--draft-config", DRAFTER, "--no-dflash2", "--context", "256", "--samples", "3", "--steps", "5",
         "--warmup", "1", "--profile-steps", "1", "--anchors", "8", "--work", str(work), "--out", str(out),
         "--trace-dir", str(tmp_path / "traces"), "--keep-data",
     ])  # fmt: skip
@@ -63,11 +63,13 @@ def test_both_trainers_on_identical_bytes(tmp_path):
     for mode, r in recs.items():
         assert r["status"] == "ok" and r["workload"] == "trainer-quickstart_drafter" and r["block_size"] == 4
         assert r["world_size"] == 1 and r["context_len"] == 256 and r["timed_steps"] == 2
-        # the median of the steps the trainer itself logged (steps 2-3: after warm-up, before the profile)
+        # the median of the steps the trainer itself logged: 2-3 (after warm-up, before the profiled step 5,
+        # not step 4, the first of the second epoch)
         logged = trainer_bench.step_metrics((work / mode / "log.txt").read_text())
-        assert sorted(logged) == [1, 2, 3, 4]
+        assert sorted(logged) == [1, 2, 3, 4, 5]
         want = statistics.median(logged[s]["perf/optimizer_step_time_s"] for s in (2, 3)) * 1e3
         assert r["step_ms"] == pytest.approx(want, abs=0.01)
+        assert r["epoch_first_step_ms"] == pytest.approx(logged[4]["perf/optimizer_step_time_s"] * 1e3, abs=0.01)
         assert r["peak_mem_gib"] > 0
         b = r["breakdown_ms"]
         assert set(b) == {"data", "forward_backward", "optimizer", "host_syncs", "logging"}
@@ -78,7 +80,7 @@ def test_both_trainers_on_identical_bytes(tmp_path):
     from specforge_csbp.data.store import FeatureStore
 
     store = FeatureStore(str(work / "store"))
-    for i in range(2):
+    for i in range(3):
         raw = torch.load(work / "records" / "rows_0-2000" / f"data_{i:06d}.ckpt", weights_only=True)
         ids, mask = store.read_tokens(f"{i:08d}")
         assert torch.equal(ids, raw["input_ids"]) and torch.equal(mask, raw["loss_mask"])
