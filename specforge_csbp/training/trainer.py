@@ -4,7 +4,8 @@ launch(entry, parallel, ...)      torchrun (NCCL, one GPU per rank), P self-spaw
                                   in this process for one rank; fail-fast on rank faults (distributed/launch.py)
   train(workload, train, parallel)
     context (dp x cp mesh) -> validate output_dir / resume (nothing is written before) -> seed -> model
-    (broadcast from rank 0) -> [activation checkpointing] -> AdamW + warmup/cosine -> resume from latest
+    (broadcast from rank 0) -> [activation checkpointing: true, or auto = when the step would not fit
+    without (checkpointing.py)] -> AdamW + warmup/cosine -> resume from latest
     per step: reseed RNGs from (seed, step) -> train_step (non-finite guard) -> one log line
     checkpoints every save_every steps and at the end (atomic; `latest` replaced last)
 
@@ -32,6 +33,7 @@ from tqdm.auto import tqdm
 
 from ..distributed.launch import free_port, heartbeat, init_from_env, spawn
 from .checkpoint import load_trainer_state, save_checkpoint
+from .checkpointing import resolve_checkpointing
 from .context import TrainContext, build_context
 from .metrics import format_step, max_over_ranks, peak_device_tflops, peak_memory_gib, reset_peak_memory
 from .schedule import build_scheduler
@@ -93,7 +95,7 @@ def _build(workload: Workload, ctx: TrainContext, train: TrainConfig):
     torch.manual_seed(train.seed)
     model = workload.build_model(ctx).to(device=ctx.device, dtype=ctx.param_dtype)
     _broadcast_parameters(model)
-    if train.activation_checkpointing:
+    if _checkpointing(train, workload, model, ctx):
         enable = getattr(model, "enable_activation_checkpointing", None)
         if enable is None:
             raise ValueError(
@@ -114,6 +116,19 @@ def _build(workload: Workload, ctx: TrainContext, train: TrainConfig):
         optimizer, warmup_steps=train.warmup_steps, total_steps=train.steps, min_ratio=train.min_lr_ratio
     )
     return model, optimizer, scheduler
+
+
+def _checkpointing(train: TrainConfig, workload: Workload, model: torch.nn.Module, ctx: TrainContext) -> bool:
+    """train.activation_checkpointing, with `auto` decided from the memory model (training/checkpointing.py);
+    on when any rank needs it (a CSBP recompute re-runs collectives: every rank must do the same)."""
+    if train.activation_checkpointing != "auto":
+        return bool(train.activation_checkpointing)
+    choice = resolve_checkpointing(workload, model, ctx)
+    enabled = max_over_ranks(float(choice.enabled), ctx.device) > 0
+    if ctx.is_main:
+        note = "; on because another rank needs it" if enabled and not choice.enabled else ""
+        print(f"specforge-csbp: {choice.line()}{note}", flush=True)
+    return enabled
 
 
 def _logged_step(line: str) -> int | None:
