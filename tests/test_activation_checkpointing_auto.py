@@ -18,6 +18,8 @@ from specforge_csbp.training.checkpointing import (
     HEADROOM_GIB,
     HEADROOM_SHARE,
     bdlm_peak_gib,
+    keep_activations,
+    layers_that_fit,
     needs_checkpointing,
     resolve_checkpointing,
 )
@@ -89,6 +91,40 @@ def test_qwen3_1p7b_needs_it_from_16k_on_one_h200():
     assert bdlm_peak_gib(*_run(8192, micro=2), checkpointing=False) > bdlm_peak_gib(*_run(8192), checkpointing=False)
 
 
+def test_layers_that_fit_uses_the_per_layer_share():
+    limit = 100.0  # fits when peak * (1 + HEADROOM_SHARE) + HEADROOM_GIB <= limit
+    most = (limit - HEADROOM_GIB) / (1 + HEADROOM_SHARE)
+    assert layers_that_fit(most - 1, 10.0, 10, limit) == 10  # everything fits: no checkpointing
+    per = (200.0 - 10.0) / 10
+    assert layers_that_fit(200.0, 10.0, 10, limit) == int((most - 10.0) // per)
+    assert layers_that_fit(200.0, most + 1, 10, limit) == 0  # even fully checkpointed it is tight: all layers
+
+
+def test_partial_checkpointing_keeps_the_last_layers_and_the_gradients():
+    """keep_activations on a tiny Qwen3: the last k layers run un-checkpointed; gradients equal the
+    un-checkpointed model's (float64)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                      intermediate_size=64, num_hidden_layers=4, vocab_size=64)  # fmt: skip
+    torch.manual_seed(0)
+    ref = Qwen3ForCausalLM(cfg).double().train()
+    part = Qwen3ForCausalLM(cfg).double().train()
+    part.load_state_dict(ref.state_dict())
+    enable = getattr(part, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:  # transformers < 5
+        part.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert keep_activations(part, 3) == 3
+    assert [layer.gradient_checkpointing for layer in part.model.layers] == [True, False, False, False]
+    ids = torch.randint(0, 64, (2, 12))
+    for m in (ref, part):
+        m(input_ids=ids, labels=ids).loss.backward()
+    for (name, a), b in zip(ref.named_parameters(), part.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
 def _mock_gpu(monkeypatch, free_gib: float, held_gib: float = 3.0):
     monkeypatch.setattr(checkpointing.torch.cuda, "mem_get_info", lambda d: (int(free_gib * GiB), int(141 * GiB)))
     monkeypatch.setattr(checkpointing.torch.cuda, "memory_allocated", lambda d: int(held_gib * GiB))
@@ -111,11 +147,13 @@ def test_trainer_applies_auto_and_keeps_explicit_values(monkeypatch, capsys):
     _mock_gpu(monkeypatch, free_gib=136.0)
     workload, model, ctx = _run(16384)
     assert TrainConfig().activation_checkpointing == "auto"
-    assert trainer._checkpointing(TrainConfig(), workload, model, ctx) is True
-    assert "train.activation_checkpointing auto -> on" in capsys.readouterr().out
+    enabled, keep = trainer._checkpointing(TrainConfig(), workload, model, ctx)
+    assert enabled and 0 < keep < 28  # 16K: most layers keep their activations, a few are recomputed
+    assert f"train.activation_checkpointing auto -> on for {28 - keep} of 28 layers" in capsys.readouterr().out
     workload8, model8, ctx8 = _run(8192)
-    assert trainer._checkpointing(TrainConfig(), workload8, model8, ctx8) is False
-    assert trainer._checkpointing(TrainConfig(activation_checkpointing=False), workload, model, ctx) is False
-    assert trainer._checkpointing(TrainConfig(activation_checkpointing=True), workload8, model8, ctx8) is True
+    assert trainer._checkpointing(TrainConfig(), workload8, model8, ctx8) == (False, 0)
+    assert trainer._checkpointing(TrainConfig(activation_checkpointing=False), workload, model, ctx) == (False, 0)
+    assert trainer._checkpointing(TrainConfig(activation_checkpointing=True), workload8, model8, ctx8) == (True, 0)
+    assert resolve_checkpointing(*_run(131072)).keep_layers == 0  # 128K: every layer checkpointed
     with pytest.raises(ValueError):
         TrainConfig(activation_checkpointing="sometimes")

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from ..distributed.launch import free_port, heartbeat, init_from_env, spawn
 from .checkpoint import load_trainer_state, save_checkpoint
-from .checkpointing import resolve_checkpointing
+from .checkpointing import keep_activations, resolve_checkpointing
 from .context import TrainContext, build_context
 from .metrics import format_step, max_over_ranks, peak_device_tflops, peak_memory_gib, reset_peak_memory
 from .schedule import build_scheduler
@@ -95,7 +95,8 @@ def _build(workload: Workload, ctx: TrainContext, train: TrainConfig):
     torch.manual_seed(train.seed)
     model = workload.build_model(ctx).to(device=ctx.device, dtype=ctx.param_dtype)
     _broadcast_parameters(model)
-    if _checkpointing(train, workload, model, ctx):
+    enabled, keep = _checkpointing(train, workload, model, ctx)
+    if enabled:
         enable = getattr(model, "enable_activation_checkpointing", None)
         if enable is None:
             raise ValueError(
@@ -103,6 +104,7 @@ def _build(workload: Workload, ctx: TrainContext, train: TrainConfig):
                 f"enable_activation_checkpointing()"
             )
         enable()
+        keep_activations(model, keep)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     on_gpu = ctx.device.type == "cuda"
@@ -118,17 +120,32 @@ def _build(workload: Workload, ctx: TrainContext, train: TrainConfig):
     return model, optimizer, scheduler
 
 
-def _checkpointing(train: TrainConfig, workload: Workload, model: torch.nn.Module, ctx: TrainContext) -> bool:
-    """train.activation_checkpointing, with `auto` decided from the memory model (training/checkpointing.py);
-    on when any rank needs it (a CSBP recompute re-runs collectives: every rank must do the same)."""
+def _checkpointing(
+    train: TrainConfig, workload: Workload, model: torch.nn.Module, ctx: TrainContext
+) -> tuple[bool, int]:
+    """(checkpointing on?, layers that keep their activations): train.activation_checkpointing, with `auto`
+    decided from the memory model (training/checkpointing.py) - on, for the same layers, on every rank when
+    any rank needs it (a CSBP recompute re-runs collectives: every rank must recompute the same layers)."""
     if train.activation_checkpointing != "auto":
-        return bool(train.activation_checkpointing)
+        return bool(train.activation_checkpointing), 0
     choice = resolve_checkpointing(workload, model, ctx)
     enabled = max_over_ranks(float(choice.enabled), ctx.device) > 0
+    mine = choice.keep_layers if choice.enabled else 0
+    keep = int(-max_over_ranks(-float(mine), ctx.device)) if enabled else 0  # the fewest kept over ranks
     if ctx.is_main:
         note = "; on because another rank needs it" if enabled and not choice.enabled else ""
         print(f"specforge-csbp: {choice.line()}{note}", flush=True)
-    return enabled
+    return enabled, keep
+
+
+def _max_over_ranks(seconds: float, peak_gib: float, device: torch.device) -> tuple[float, float]:
+    """The step's time and peak memory, each the max over ranks, in one all-reduce (one host sync)."""
+    if not dist.is_initialized():
+        return seconds, peak_gib
+    t = torch.tensor([seconds, peak_gib], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    a, b = t.cpu().tolist()
+    return a, b
 
 
 def _logged_step(line: str) -> int | None:
@@ -196,9 +213,7 @@ def train(
             scheduler.step()
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize(ctx.device)
-            seconds = max_over_ranks(
-                time.perf_counter() - t0, ctx.device if ctx.device.type == "cuda" else torch.device("cpu")
-            )
+            seconds, peak_mem = _max_over_ranks(time.perf_counter() - t0, peak_memory_gib(ctx.device), ctx.device)
             metrics = {
                 "step": step + 1,
                 "loss": result.loss,
@@ -210,7 +225,7 @@ def train(
                 "mfu": None
                 if flops is None or peak is None
                 else flops / seconds / (ctx.world_size * peak * 1e12),
-                "peak_mem_gib": max_over_ranks(peak_memory_gib(ctx.device), ctx.device),
+                "peak_mem_gib": peak_mem,
             }
             history.append(metrics)
             if ctx.is_main:
