@@ -78,23 +78,33 @@ def write_target(config: DFlashConfig, root: str, generator: torch.Generator, de
     return root
 
 
+def random_sample(
+    config: DFlashConfig, length: int, generator: torch.Generator, device: torch.device, dtype=torch.bfloat16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids [L] int64, loss_mask [L] int64, features [L, F x hidden] dtype) of one random sample on the
+    CPU: ids uniform over the vocabulary but the mask token, loss mask 1 after a 64-token prompt."""
+    if length <= PROMPT_TOKENS + 2:
+        raise SystemExit(f"--context {length}: needs more than {PROMPT_TOKENS + 2} tokens")
+    width = len(config.dflash["target_layer_ids"]) * config.hidden_size
+    mask_token = config.dflash.get("mask_token_id")
+    ids = torch.randint(0, config.vocab_size - 1, (length,), generator=generator, device=device).cpu()
+    if mask_token is not None:  # the mask token is the drafter's, never a target token
+        ids[ids >= int(mask_token)] += 1
+    mask = torch.ones(length, dtype=torch.int64)
+    mask[:PROMPT_TOKENS] = 0
+    feats = torch.randn(length, width, generator=generator, device=device).to(dtype).cpu()
+    return ids, mask, feats
+
+
 def write_store(config: DFlashConfig, target_root: str, root: str, args, generator, device) -> None:
     layer_ids = list(config.dflash["target_layer_ids"])
-    length, vocab = parse_size(args.context), config.vocab_size
-    mask_token = config.dflash.get("mask_token_id")
-    if length <= PROMPT_TOKENS + 2:
-        raise SystemExit(f"--context {args.context}: needs more than {PROMPT_TOKENS + 2} tokens")
+    length = parse_size(args.context)
     info = TargetInfo(name=target_root, num_hidden_layers=int(config.num_target_layers))
     with FeatureStoreWriter(root, target=info, target_layer_ids=layer_ids, hidden_size=config.hidden_size,
                             dtype="bfloat16", overwrite=args.overwrite) as writer:  # fmt: skip
         for i in tqdm(range(args.samples), desc="store", unit="sample"):
-            ids = torch.randint(0, vocab - 1, (length,), generator=generator, device=device).cpu()
-            if mask_token is not None:  # the mask token is the drafter's, never a target token
-                ids[ids >= int(mask_token)] += 1
-            mask = torch.ones(length, dtype=torch.int64)
-            mask[:PROMPT_TOKENS] = 0
-            feats = torch.randn(length, len(layer_ids) * config.hidden_size, generator=generator, device=device)
-            writer.add(str(i), ids, mask, feats.to(torch.bfloat16).cpu())
+            ids, mask, feats = random_sample(config, length, generator, device)
+            writer.add(str(i), ids, mask, feats)
             del feats
 
 

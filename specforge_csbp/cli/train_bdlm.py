@@ -1,16 +1,27 @@
 """`specforge-csbp train-bdlm -c recipe.yaml [section.field=value ...]`: train a Hugging Face causal LM as a
 block-diffusion LM (SFT or AR->BDLM conversion) with DP x CSBP/CP/BP.
 
-On CPU it spawns `parallel.world_size` gloo ranks; under torchrun it joins the launch (NCCL, one GPU per
-rank). Every check that can fail before a process starts does (one line, naming the field).
+Where the ranks run (`parallel.device`, default auto):
+
+    under torchrun                      joins the launch (NCCL, one GPU per rank)
+    GPUs here, no torchrun (auto|cuda)  starts `python -m torch.distributed.run --standalone
+                                        --nproc-per-node W -m specforge_csbp train-bdlm ...` with W =
+                                        parallel.world_size when the recipe sets it, else one rank per GPU
+                                        (as `specforge train` launches its workers); never a CPU run
+    no GPU (auto), or parallel.device=cpu   spawns parallel.world_size gloo ranks on the CPU
+    parallel.device=cuda, no GPU        one-line error
+
+Every check that can fail before a process starts does (one line, naming the field).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
 
-__all__ = ["register", "run"]
+__all__ = ["register", "run", "torchrun_command"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,13 +40,53 @@ def _rank_main(rank: int, world: int, recipe) -> None:
     train(build_workload(recipe), recipe.train, recipe.parallel, recipe=recipe.model_dump(mode="json"))
 
 
+def _gpus() -> int:
+    import torch
+
+    return int(torch.cuda.device_count())
+
+
+def torchrun_command(config: str, overrides: list[str], world: int) -> list[str]:
+    """This command line again, as one torchrun launch of `world` ranks on this machine."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+            "-m", "specforge_csbp", "train-bdlm", "-c", config, *overrides]  # fmt: skip
+
+
+def gpu_world_size(parallel, gpus: int) -> int | None:
+    """Ranks to start through torchrun on this machine's `gpus` GPUs, or None for a CPU (gloo) run."""
+    if parallel.device == "cuda" and gpus == 0:
+        raise ValueError(
+            "parallel.device=cuda: this machine has no GPU (torch.cuda.device_count() = 0); allowed: auto "
+            "(GPUs when present, else CPU ranks) or cpu"
+        )
+    if parallel.device == "cpu" or gpus == 0:
+        return None
+    world = parallel.world_size if "world_size" in parallel.model_fields_set else gpus
+    if world > gpus:
+        raise ValueError(
+            f"parallel.world_size={world}: this machine has {gpus} GPU(s) and a rank runs on each; set at most "
+            f"{gpus}, run under torchrun across nodes (docs/reliability.md), or parallel.device=cpu"
+        )
+    return world
+
+
 def run(args: argparse.Namespace) -> int:
     from ..models.bdlm.recipe import BDLMRecipe, preflight
     from ..training.config import load_recipe
     from ..training.trainer import launch, under_torchrun
 
     recipe = load_recipe(BDLMRecipe, args.config, args.overrides)
-    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else recipe.parallel.world_size
-    preflight(recipe, world)
+    if under_torchrun():
+        preflight(recipe, int(os.environ["WORLD_SIZE"]))
+        launch(_rank_main, recipe.parallel, recipe)
+        return 0
+    world = gpu_world_size(recipe.parallel, _gpus())
+    if world is not None:
+        preflight(recipe, world)
+        cmd = torchrun_command(args.config, list(args.overrides), world)
+        print(f"specforge-csbp train-bdlm: {world} rank(s), one per GPU: {' '.join(cmd[2:])}", file=sys.stderr,
+              flush=True)  # fmt: skip
+        return subprocess.run(cmd, check=False).returncode
+    preflight(recipe, recipe.parallel.world_size)
     launch(_rank_main, recipe.parallel, recipe)
     return 0

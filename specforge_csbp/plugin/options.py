@@ -10,6 +10,7 @@
       mode: csbp      # csbp | cp (the conventional context-parallel baseline)
       gather_ahead: true # layer i + 1's context K/V gathered while layer i runs
       regather: false # true: re-gather context K/V in backward (memory at 512K-1M)
+      keep_logits_gib: auto # kept loss logits budget; auto: from the GPU's free memory (plugin/keep_logits.py)
 
 SpecForge's schema forbids unknown fields, so the `csbp:` section is taken out of the file before SpecForge
 validates the rest, and `csbp.*` overrides are applied here. World size = deployment.trainer.nnodes x
@@ -19,6 +20,7 @@ nproc_per_node = cp_size x dp_replicas. Errors are one line and name the flag or
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -63,7 +65,8 @@ class CSBPOptions(BaseModel):
     keep_logits_gib: float = Field(
         default=0.0, ge=0.0,
         description="keep the vocabulary loss's logits for backward when this rank's fit in this many GiB: one "
-        "[rows, vocab] GEMM fewer per chunk (2 x H200, 1 GPU, 64K: 6% faster step for 2.6 GiB); 0 = recompute",
+        "[rows, vocab] GEMM fewer per chunk (1 H200, 64K: 365.9 vs 392.7 ms); 0 = recompute; unset (or auto): "
+        "chosen per rank from the GPU's free memory and the planner's memory model (plugin/keep_logits.py)",
     )  # fmt: skip
     prefetch_features: bool = Field(
         default=True,
@@ -124,6 +127,20 @@ def one_line(err: ValidationError, prefix: str = "") -> str:
     return f"{prefix}{where}: {first['msg']}"
 
 
+def _trains_here(world: int) -> bool:
+    """Does this process build the model (a torchrun worker, or a one-rank run in the launching process)?
+    A launcher of several ranks keeps the default 0 for an unset `keep_logits_gib` (it builds no model):
+    each worker chooses for its own GPU."""
+    return "LOCAL_RANK" in os.environ or world == 1
+
+
+def _drop_auto(section: dict) -> None:
+    """`keep_logits_gib: auto` is the same as leaving it unset (chosen in `prepare_run`)."""
+    value = section.get("keep_logits_gib")
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        del section["keep_logits_gib"]
+
+
 def _read_raw(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
@@ -182,6 +199,7 @@ def prepare_run(
     if not isinstance(section, dict):
         raise ValueError(f"csbp: must be a mapping with fields {', '.join(CSBPOptions.model_fields)}")  # noqa: TRY004
     section = dict(section)
+    _drop_auto(section)
     spec_overrides, csbp_overrides = [], []
     for item in overrides:
         if "=" not in item:
@@ -189,6 +207,7 @@ def prepare_run(
         (csbp_overrides if item.startswith("csbp.") else spec_overrides).append(item)
     for item in csbp_overrides:
         _apply_csbp_override(section, item)
+    _drop_auto(section)
     if cp_size is not None:
         section["cp_size"] = cp_size
     if dp_replicas is not None:
@@ -259,6 +278,13 @@ def prepare_run(
         forward.append(f"csbp.cp_size={cp}")
     else:
         cp, dp = 1, world
+    if "keep_logits_gib" not in options.model_fields_set and strategy in PLUGIN_STRATEGIES and _trains_here(world):
+        from .keep_logits import resolve_keep_logits
+
+        choice = resolve_keep_logits(cfg, options, cp, options.mode if is_csbp else "dp")
+        options = options.model_copy(update={"keep_logits_gib": choice.keep_logits_gib})
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"specforge-csbp: {choice.line()}", flush=True)
     return PreparedRun(
         config=cfg, options=options, world_size=world, cp_size=cp, dp_replicas=dp,
         forward_overrides=tuple(forward),

@@ -40,7 +40,16 @@ class ParallelConfig(Section):
     mode: Literal["csbp", "cp", "bp", "reference"] = "csbp"
     cp_degree: int = Field(1, ge=1)
     dp_degree: int | None = Field(None, ge=1)
-    world_size: int = Field(1, ge=1, description="ranks to self-spawn (gloo, CPU); ignored under torchrun")
+    world_size: int = Field(
+        1, ge=1,
+        description="ranks to start: gloo ranks on the CPU, or GPU ranks through torchrun (unset on a GPU "
+        "machine: one per GPU); ignored under torchrun",
+    )  # fmt: skip
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto",
+        description="where train-bdlm runs its ranks without torchrun: auto = the GPUs when there are any "
+        "(through torchrun), else gloo ranks on the CPU; cuda = GPUs or a one-line error; cpu = gloo ranks",
+    )
     attention_backend: Literal["auto", "dense", "flex"] = "auto"
     attention_schedule: Literal["fused", "overlap"] = Field(
         "fused",
@@ -81,7 +90,11 @@ class TrainConfig(Section):
     betas: tuple[float, float] = (0.9, 0.95)
     adam_eps: float = Field(1e-8, gt=0)
     grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm; null = no clipping")
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | Literal["auto"] = Field(
+        "auto",
+        description="checkpoint every decoder layer (recompute in backward); auto: only when the planner's "
+        "memory model says the step would not fit in the GPU's memory without (training/checkpointing.py)",
+    )
     precision: Literal["auto", "float32", "bfloat16", "float64"] = Field(
         "auto",
         description="auto: bf16 autocast on GPU, float32 on CPU; bfloat16 = fp32 weights + bf16 autocast",

@@ -1,7 +1,7 @@
 """One optimizer step: global denominator, micro-batch backward, summed gradients, clipping, AdamW.
 
-    denominator all-reduce -> per micro batch: forward, backward (loss checked finite)
-    -> local gradients checked finite -> ranks agree (OOM? non-finite?) -> gradient all-reduce -> clip
+    denominator all-reduce -> per micro batch: forward, backward (no host sync: the numerators stay on
+    the device) -> losses and local gradients checked finite -> ranks agree (OOM? non-finite?) -> gradient all-reduce -> clip
     (global norm checked finite) -> AdamW
 
 A failure is raised on every rank of the group before the optimizer step, so weights, optimizer state,
@@ -151,6 +151,7 @@ def train_step(
     scale = denom.clamp_min(1.0)  # a step with nothing supervised contributes zero, not NaN
     total = torch.zeros((), dtype=torch.float64)
     oom, bad = False, None
+    numerators: list[torch.Tensor] = []  # on the device: read once after the last backward (one host sync)
     try:
         for i, batch in enumerate(batches):
             heartbeat(f"step {step + 1}: micro batch {i} forward/backward")
@@ -158,12 +159,14 @@ def train_step(
                 numerator = workload.loss_numerator(model, batch, ctx)
             # backward even when non-finite: the other ranks' backward collectives need this rank's part
             (numerator / scale.to(numerator.dtype)).backward()
-            value = numerator.detach().double().cpu()
-            total += value
-            if bad is None and not torch.isfinite(value):
-                bad = (0, f"loss numerator of micro batch {i} ({float(value)})")
+            numerators.append(numerator.detach().double())
     except _OOM:
         oom = True
+    values = torch.stack(numerators).cpu() if numerators else torch.zeros(0, dtype=torch.float64)
+    for i, value in enumerate(values):  # summed in micro-batch order, as before: the same float64 total
+        total += value
+        if bad is None and not torch.isfinite(value):
+            bad = (0, f"loss numerator of micro batch {i} ({float(value)})")
     if bad is None and not oom:  # this rank's own gradients, before the sum mixes every rank's in
         grad = first_nonfinite((f"{n}.grad", p.grad) for n, p in named)
         bad = None if grad is None else (1, grad)

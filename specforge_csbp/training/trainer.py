@@ -4,7 +4,8 @@ launch(entry, parallel, ...)      torchrun (NCCL, one GPU per rank), P self-spaw
                                   in this process for one rank; fail-fast on rank faults (distributed/launch.py)
   train(workload, train, parallel)
     context (dp x cp mesh) -> validate output_dir / resume (nothing is written before) -> seed -> model
-    (broadcast from rank 0) -> [activation checkpointing] -> AdamW + warmup/cosine -> resume from latest
+    (broadcast from rank 0) -> [activation checkpointing: true, or auto = when the step would not fit
+    without (checkpointing.py)] -> AdamW + warmup/cosine -> resume from latest
     per step: reseed RNGs from (seed, step) -> train_step (non-finite guard) -> one log line
     checkpoints every save_every steps and at the end (atomic; `latest` replaced last)
 
@@ -32,6 +33,7 @@ from tqdm.auto import tqdm
 
 from ..distributed.launch import free_port, heartbeat, init_from_env, spawn
 from .checkpoint import load_trainer_state, save_checkpoint
+from .checkpointing import keep_activations, resolve_checkpointing
 from .context import TrainContext, build_context
 from .metrics import format_step, max_over_ranks, peak_device_tflops, peak_memory_gib, reset_peak_memory
 from .schedule import build_scheduler
@@ -93,7 +95,8 @@ def _build(workload: Workload, ctx: TrainContext, train: TrainConfig):
     torch.manual_seed(train.seed)
     model = workload.build_model(ctx).to(device=ctx.device, dtype=ctx.param_dtype)
     _broadcast_parameters(model)
-    if train.activation_checkpointing:
+    enabled, keep = _checkpointing(train, workload, model, ctx)
+    if enabled:
         enable = getattr(model, "enable_activation_checkpointing", None)
         if enable is None:
             raise ValueError(
@@ -101,6 +104,7 @@ def _build(workload: Workload, ctx: TrainContext, train: TrainConfig):
                 f"enable_activation_checkpointing()"
             )
         enable()
+        keep_activations(model, keep)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     on_gpu = ctx.device.type == "cuda"
@@ -114,6 +118,34 @@ def _build(workload: Workload, ctx: TrainContext, train: TrainConfig):
         optimizer, warmup_steps=train.warmup_steps, total_steps=train.steps, min_ratio=train.min_lr_ratio
     )
     return model, optimizer, scheduler
+
+
+def _checkpointing(
+    train: TrainConfig, workload: Workload, model: torch.nn.Module, ctx: TrainContext
+) -> tuple[bool, int]:
+    """(checkpointing on?, layers that keep their activations): train.activation_checkpointing, with `auto`
+    decided from the memory model (training/checkpointing.py) - on, for the same layers, on every rank when
+    any rank needs it (a CSBP recompute re-runs collectives: every rank must recompute the same layers)."""
+    if train.activation_checkpointing != "auto":
+        return bool(train.activation_checkpointing), 0
+    choice = resolve_checkpointing(workload, model, ctx)
+    enabled = max_over_ranks(float(choice.enabled), ctx.device) > 0
+    mine = choice.keep_layers if choice.enabled else 0
+    keep = int(-max_over_ranks(-float(mine), ctx.device)) if enabled else 0  # the fewest kept over ranks
+    if ctx.is_main:
+        note = "; on because another rank needs it" if enabled and not choice.enabled else ""
+        print(f"specforge-csbp: {choice.line()}{note}", flush=True)
+    return enabled, keep
+
+
+def _max_over_ranks(seconds: float, peak_gib: float, device: torch.device) -> tuple[float, float]:
+    """The step's time and peak memory, each the max over ranks, in one all-reduce (one host sync)."""
+    if not dist.is_initialized():
+        return seconds, peak_gib
+    t = torch.tensor([seconds, peak_gib], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    a, b = t.cpu().tolist()
+    return a, b
 
 
 def _logged_step(line: str) -> int | None:
@@ -181,9 +213,7 @@ def train(
             scheduler.step()
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize(ctx.device)
-            seconds = max_over_ranks(
-                time.perf_counter() - t0, ctx.device if ctx.device.type == "cuda" else torch.device("cpu")
-            )
+            seconds, peak_mem = _max_over_ranks(time.perf_counter() - t0, peak_memory_gib(ctx.device), ctx.device)
             metrics = {
                 "step": step + 1,
                 "loss": result.loss,
@@ -195,7 +225,7 @@ def train(
                 "mfu": None
                 if flops is None or peak is None
                 else flops / seconds / (ctx.world_size * peak * 1e12),
-                "peak_mem_gib": max_over_ranks(peak_memory_gib(ctx.device), ctx.device),
+                "peak_mem_gib": peak_mem,
             }
             history.append(metrics)
             if ctx.is_main:

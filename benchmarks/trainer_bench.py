@@ -1,0 +1,431 @@
+#!/usr/bin/env python
+"""Trainer-level benchmark: stock `specforge train` (strategy dflash) against `specforge train --csbp`
+(dflash-csbp, cp_size 1) on one GPU, on identical bytes, with the same drafter, anchors and block size.
+
+    python3 benchmarks/trainer_bench.py --draft-config drafter_configs/qwen3.6-27b-dflash2.json --no-dflash2 \\
+        --context 64K --samples 4 --steps 12 --work /tmp/trainer --out $OUT/trainer.jsonl --trace-dir $OUT
+
+    WORK/draft.json            the drafter both trainers train (--no-dflash2: the config without conv/selector)
+    WORK/target/               head-only random target (config, embeddings, LM head: benchmarks/plugin_setup.py)
+    WORK/records/rows_0-2000/  SpecForge 0.2.0 offline DFlash records, data_{i}.ckpt (random features)
+    WORK/store/                the same records imported with the project's import-specforge (the user's path)
+    WORK/{specforge,csbp}/     each trainer's run.yaml, log.txt, peak.json; output/ (checkpoint) deleted after
+                               each run (the trace is copied out first)
+
+    order   records -> stock `specforge train` -> import -> delete records -> `specforge train --csbp`
+            (disk: at most the records + the store, during the import; --keep-data keeps both)
+
+What is measured is what the trainers log themselves: both run SpecForge's TrainerController, which prints
+`step N: {...}` per optimizer step (training.log_interval 1) with perf/optimizer_step_time_s (wall time of
+the step's window: data, compute, logging, acks), perf/data_wait_time_s and perf/train_compute_time_s
+(forward + backward + optimizer step). `step_ms` is the median over the steps after --warmup, excluding
+the --profile-steps profiled ones at the end and the first step of each epoch (`epoch_first_step_ms`: the
+data loader restarts, the plugin's look-ahead has no previous batch). Each trainer's final checkpoint is
+skipped (after the last step; --checkpoint keeps it). Neither trainer logs memory: a child wrapper around each
+trainer's own entry point writes torch.cuda.max_memory_allocated() (CPU: peak RSS) when it exits.
+
+Each trainer's step broken down (record field `breakdown_ms`, per optimizer step):
+
+    data            perf/data_wait_time_s           (SpecForge's timer around next(batch))
+    forward+backward perf/train_compute_time_s - optimizer
+    optimizer       "Optimizer.step#..." ranges of the profiled steps (torch.profiler marks every
+                    torch.optim step), + zero_grad
+    host_syncs      count and time of cudaStreamSynchronize / cudaDeviceSynchronize / cudaEventSynchronize
+                    and aten::_local_scalar_dense (.item()) in the profiled steps
+    logging         perf/optimizer_step_time_s - data - train compute - durable acks (logging, checkpoint
+                    bookkeeping, the controller's own work)
+
+The profile is SpecForge's own window (`profiling.enabled`, its StepProfiler), over the last
+--profile-steps steps of each run; its chrome trace is copied to --trace-dir when it is at most 16 MiB.
+`gpu_kernels_ms`: the profiled steps' kernel time per step (the GPU's busy share of the step).
+
+Records (design.md section 8): workload "trainer-<config name>", modes "specforge" and "csbp", world_size 1,
+`tokens_per_s` = supervised tokens (anchors x (block size - 1)) per second; extras: data_wait_ms,
+train_compute_ms, steps_ms (every step), timed_steps, peak_reserved_gib, breakdown_ms, host_syncs_per_step,
+item_calls_per_step, gpu_kernels_ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime
+import gzip
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+MODES = ("specforge", "csbp")
+TRACE_LIMIT_BYTES = 16 << 20  # the GPU machine brings back files up to 16 MiB
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+NO_CHECKPOINT_ENV = "TRAINER_BENCH_NO_CHECKPOINT"
+_STEP_LINE = re.compile(r"^step (\d+): (\{.*\})$", flags=re.MULTILINE)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--draft-config", required=True, help="drafter config.json (drafter_configs/)")
+    p.add_argument("--no-dflash2", action="store_true",
+                   help="train the config as DFlash v1 (no conv, no selector): stock SpecForge 0.2.0 trains v1 only")  # fmt: skip
+    p.add_argument("--context", default="64K", help="tokens per sample (64K, 128K, ...)")
+    p.add_argument("--samples", type=int, default=4, help="samples in the data (epochs repeat them)")
+    p.add_argument("--steps", type=int, default=12, help="optimizer steps per trainer (one sample each)")
+    p.add_argument("--warmup", type=int, default=4, help="steps left out of the median (compiles, first shapes)")
+    p.add_argument("--profile-steps", type=int, default=2, help="last steps of each run profiled (0: none)")
+    p.add_argument("--anchors", type=int, default=512)
+    p.add_argument("--modes", default="specforge,csbp", help="comma list of specforge, csbp")
+    p.add_argument("--work", required=True, help="scratch directory (records, store, run outputs)")
+    p.add_argument("--out", required=True, help="records file (JSON lines)")
+    p.add_argument("--trace-dir", default=None, help="copy each run's profile (chrome trace, <= 16 MiB) here")
+    p.add_argument("--keep-data", action="store_true", help="keep the records and the store (checkpoints never)")
+    p.add_argument("--checkpoint", action="store_true", help="let each trainer save its final checkpoint")
+    p.add_argument("--timeout", type=int, default=540, help="seconds per trainer run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: run one trainer in this process
+    p.add_argument("trainer_argv", nargs="*", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child is None:
+        bad = sorted(set(args.modes.split(",")) - set(MODES))
+        if bad:
+            p.error(f"--modes: unknown {', '.join(bad)}; allowed: {', '.join(MODES)}")
+        for name in ("samples", "steps", "anchors"):
+            if getattr(args, name) < 1:
+                p.error(f"--{name} must be >= 1; got {getattr(args, name)}")
+        if args.warmup < 0 or args.profile_steps < 0:
+            p.error("--warmup and --profile-steps must be >= 0")
+        if args.steps - args.warmup - args.profile_steps < 1:
+            p.error(f"--steps {args.steps} leaves no timed step after --warmup {args.warmup} and "
+                    f"--profile-steps {args.profile_steps}")  # fmt: skip
+    return args
+
+
+# -- the child: one trainer's own entry point, in this process, peak memory written at exit ----------------
+def run_child(peak_path: str, argv: list[str]) -> int:
+    """`specforge train ...` (SpecForge's main) or `specforge train --csbp ...` (the plugin's launcher, as the
+    start-up hook routes it); one rank runs in this process, so its peak memory is this process's."""
+    import resource
+
+    import torch
+
+    if os.environ.get(NO_CHECKPOINT_ENV):
+        # the final checkpoint (SpecForge's Trainer.fit saves one after the last step: 23 GB and a minute
+        # for the 27B shape) is written after every timed step; skipping it changes no step's time
+        from specforge.training.trainer import Trainer
+
+        Trainer.save_checkpoint = lambda self: None
+    try:
+        if "--csbp" in argv:
+            from specforge_csbp.plugin.launch import train_main
+
+            rc = train_main(argv[1:], prog="specforge train")
+        else:
+            from specforge.cli import main
+
+            rc = main(argv)
+    finally:
+        peak = {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+        if torch.cuda.is_available():
+            peak.update(peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
+                        peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30)  # fmt: skip
+        tmp = peak_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(peak, f)
+        os.replace(tmp, peak_path)
+    return int(rc or 0)
+
+
+# -- data: one set of random bytes in both formats -----------------------------------------------------------
+def drafter_config(args, work: str):
+    """The drafter config both trainers train, written to WORK/draft.json."""
+    from specforge_csbp.models.dflash.configuration import DFlashConfig
+
+    with open(args.draft_config) as f:
+        raw = json.load(f)
+    if args.no_dflash2:
+        raw["architectures"] = ["DFlashDraftModel"]
+        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            raw.get("dflash_config", {}).pop(key, None)
+    path = os.path.join(work, "draft.json")
+    with open(path, "w") as f:
+        json.dump(raw, f, indent=1)
+    return path, DFlashConfig.from_json_file(path)
+
+
+def write_records(config, root: str, length: int, samples: int, generator, device) -> list[str]:
+    """SpecForge 0.2.0 offline DFlash records (data/specforge_import.py describes the format)."""
+    import torch
+    from plugin_setup import random_sample
+    from tqdm import tqdm
+
+    folder = os.path.join(root, "rows_0-2000")
+    os.makedirs(folder, exist_ok=True)
+    paths = []
+    for i in tqdm(range(samples), desc="records", unit="sample"):
+        ids, mask, feats = random_sample(config, length, generator, device, dtype=feature_dtype(device))
+        path = os.path.join(folder, f"data_{i:06d}.ckpt")
+        torch.save({"input_ids": ids, "loss_mask": mask, "hidden_states": feats[None]}, path)
+        paths.append(path)
+        del feats
+    return paths
+
+
+def import_store(config, records: str, store: str, target: str) -> None:
+    """The records imported as a user does (`specforge-csbp import-specforge`'s library call)."""
+    from transformers import AutoConfig
+
+    from specforge_csbp.data.manifest import TargetInfo, config_hash
+    from specforge_csbp.data.specforge_import import import_specforge_records
+
+    tcfg = AutoConfig.from_pretrained(target)
+    info = TargetInfo(name=os.path.abspath(target), config_sha256=config_hash(tcfg),
+                      num_hidden_layers=int(tcfg.num_hidden_layers))  # fmt: skip
+    import_specforge_records(records, store, target_layer_ids=list(config.dflash["target_layer_ids"]),
+                             hidden_size=int(config.hidden_size), target=info, overwrite=True)  # fmt: skip
+
+
+def feature_dtype(device):
+    import torch
+
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+# -- one trainer run ---------------------------------------------------------------------------------------
+def run_config(args, mode: str, work: str, draft: str, data: str, length: int, on_gpu: bool) -> dict:
+    steps = args.steps
+    training = {
+        "strategy": "dflash", "fsdp_sharding": "NO_SHARD", "batch_size": 1, "accumulation_steps": 1,
+        "num_epochs": math.ceil(steps / args.samples), "max_steps": steps, "num_anchors": args.anchors,
+        "learning_rate": 1e-4, "warmup_ratio": 0.0, "log_interval": 1, "seed": args.seed,
+        "attention_backend": "flex_attention" if on_gpu else "sdpa",
+    }  # fmt: skip
+    run = {
+        "model": {"target_model_path": os.path.join(work, "target"), "draft_model_config": draft,
+                  "torch_dtype": "bfloat16" if on_gpu else "float32"},
+        "data": {"hidden_states_path": data, "max_length": length},
+        "training": training,
+        "deployment": {"trainer": {"nproc_per_node": 1}},
+        "run_id": f"bench-{mode}", "output_dir": os.path.join(work, mode, "output"),
+    }  # fmt: skip
+    if args.profile_steps:
+        run["profiling"] = {"enabled": True, "start_step": steps - args.profile_steps,
+                            "num_steps": args.profile_steps}  # fmt: skip
+    return run
+
+
+def launch(args, mode: str, run: dict, work: str) -> tuple[str, dict, int]:
+    """(stdout + stderr, peak memory, return code) of one trainer in a child process."""
+    import yaml
+
+    folder = os.path.join(work, mode)
+    os.makedirs(folder, exist_ok=True)
+    cfg_path, peak_path = os.path.join(folder, "run.yaml"), os.path.join(folder, "peak.json")
+    with open(cfg_path, "w") as f:
+        yaml.safe_dump(run, f)
+    trainer = ["train", "-c", cfg_path] + (["--csbp", "csbp.cp_size=1"] if mode == "csbp" else [])
+    cmd = [sys.executable, os.path.abspath(__file__), "--draft-config", args.draft_config, "--work", work,
+           "--out", args.out, "--child", peak_path, "--", *trainer]  # fmt: skip
+    env = dict(os.environ, SPECFORGE_CSBP_DISABLE="1", **({NO_CHECKPOINT_ENV: "1"} if not args.checkpoint else {}),
+               PYTHONPATH=os.pathsep.join(
+        [os.path.abspath(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))  # fmt: skip
+    print(f"== {mode}: {shlex.join(['specforge', *trainer])}", flush=True)
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, check=False)
+        log, rc = done.stdout + done.stderr, done.returncode
+    except subprocess.TimeoutExpired as err:
+        out = err.stdout.decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
+        log, rc = out + f"\ntrainer_bench: {mode} ran past --timeout {args.timeout}s", 124
+    with open(os.path.join(folder, "log.txt"), "w") as f:
+        f.write(log)
+    peak = {}
+    if os.path.exists(peak_path):
+        with open(peak_path) as f:
+            peak = json.load(f)
+    return log, peak, rc
+
+
+def step_metrics(log: str) -> dict[int, dict[str, float]]:
+    """{optimizer step: the metrics SpecForge's controller printed for it}."""
+    out = {}
+    for step, payload in _STEP_LINE.findall(log):
+        try:
+            out[int(step)] = ast.literal_eval(payload)
+        except (ValueError, SyntaxError):
+            continue
+    return out
+
+
+def timed_steps(args) -> list[int]:
+    """Steps in the median (1-based, as SpecForge counts): after the warm-up, before the profiled ones, and
+    not the first of an epoch (a new epoch restarts the data loader, and the plugin's look-ahead starts
+    with the epoch's second batch: plugin/lookahead.py) unless every step is one."""
+    steps = list(range(args.warmup + 1, args.steps - args.profile_steps + 1))
+    inner = [s for s in steps if (s - 1) % args.samples]
+    return inner or steps
+
+
+def epoch_first_steps(args) -> list[int]:
+    return [s for s in range(args.warmup + 1, args.steps - args.profile_steps + 1) if not (s - 1) % args.samples]
+
+
+def _metric(m: dict, name: str) -> float | None:
+    for key in (name, f"train/{name}"):
+        if key in m:
+            return float(m[key])
+    return None
+
+
+# -- the profiled steps ------------------------------------------------------------------------------------
+def trace_summary(path: str, steps: int) -> dict[str, float]:
+    """Per-step optimizer time and host syncs from a chrome trace of `steps` optimizer steps."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = json.load(f).get("traceEvents", [])
+    opt_ms = zero_ms = sync_ms = kernel_ms = 0.0
+    syncs = items = 0
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        name, dur = str(e.get("name", "")), float(e.get("dur", 0.0)) / 1e3
+        if name.startswith("Optimizer.step#"):
+            opt_ms += dur
+        elif name.startswith("Optimizer.zero_grad#"):
+            zero_ms += dur
+        elif name in SYNC_CALLS:
+            syncs, sync_ms = syncs + 1, sync_ms + dur
+        elif name == "aten::_local_scalar_dense":
+            items += 1
+        if e.get("cat") == "kernel":
+            kernel_ms += dur
+    n = max(1, steps)
+    return {"optimizer": (opt_ms + zero_ms) / n, "host_sync_ms": sync_ms / n, "host_syncs": syncs / n,
+            "item_calls": items / n, "gpu_kernels_ms": kernel_ms / n}  # fmt: skip
+
+
+def newest_trace(output_dir: str) -> str | None:
+    found = []
+    for root, _dirs, names in os.walk(output_dir):
+        found += [os.path.join(root, n) for n in names if ".trace.json" in n]
+    return max(found, key=os.path.getmtime) if found else None
+
+
+# -- records -----------------------------------------------------------------------------------------------
+def make_record(args, mode, length, block_size, log, peak, rc, device_name, name, trace) -> dict:
+    from specforge_csbp.bench.provenance import library_digest
+
+    metrics = step_metrics(log)
+    want = timed_steps(args)
+    step_s = [_metric(metrics[s], "perf/optimizer_step_time_s") for s in want if s in metrics]
+    step_s = [x for x in step_s if x is not None]
+    firsts = [_metric(metrics[s], "perf/optimizer_step_time_s") for s in epoch_first_steps(args) if s in metrics]
+    record = dict(
+        workload=f"trainer-{name}", mode=mode, world_size=1, context_len=length, block_size=block_size,
+        device=device_name, date=datetime.date.today().isoformat(), code=library_digest(),
+        command=shlex.join(["python", os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
+        anchors=args.anchors, dflash2=not args.no_dflash2, samples=args.samples, steps=args.steps,
+        warmup=args.warmup, timed_steps=len(step_s),
+        epoch_first_step_ms=round(statistics.median(firsts) * 1e3, 2) if firsts and firsts != step_s else None,
+        steps_ms=[round(float(_metric(metrics[s], "perf/optimizer_step_time_s") or 0) * 1e3, 2) for s in sorted(metrics)],
+        status="ok",
+    )  # fmt: skip
+    if rc != 0 or len(step_s) < len(want):
+        oom = "out of memory" in log.lower()
+        tail = [ln for ln in log.strip().splitlines() if ln.strip()][-1:] or [f"exit {rc}"]
+        record.update(status="oom" if oom else "error", error=tail[0][:300])
+        if not step_s:
+            return record
+    med = lambda key: statistics.median(  # noqa: E731
+        [_metric(metrics[s], key) or 0.0 for s in want if s in metrics]
+    )
+    step_ms = statistics.median(step_s) * 1e3
+    data_ms, compute_ms = med("perf/data_wait_time_s") * 1e3, med("perf/train_compute_time_s") * 1e3
+    ack_ms = med("perf/durable_ack_time_s") * 1e3
+    record.update(
+        step_ms=round(step_ms, 2), tokens_per_s=round(args.anchors * (block_size - 1) / (step_ms / 1e3), 1),
+        data_wait_ms=round(data_ms, 2), train_compute_ms=round(compute_ms, 2),
+        peak_mem_gib=round(peak.get("peak_allocated_gib", peak.get("peak_rss_gib", 0.0)), 3) or None,
+        peak_mem_kind="cuda max_memory_allocated" if "peak_allocated_gib" in peak else "host peak RSS",
+    )  # fmt: skip
+    if "peak_reserved_gib" in peak:
+        record["peak_reserved_gib"] = round(peak["peak_reserved_gib"], 3)
+    if trace is not None:
+        prof = trace_summary(trace, args.profile_steps)
+        record["breakdown_ms"] = {
+            "data": round(data_ms, 2),
+            "forward_backward": round(compute_ms - prof["optimizer"], 2),
+            "optimizer": round(prof["optimizer"], 2),
+            "host_syncs": round(prof["host_sync_ms"], 2),
+            "logging": round(step_ms - data_ms - compute_ms - ack_ms, 2),
+        }
+        record.update(host_syncs_per_step=prof["host_syncs"], item_calls_per_step=prof["item_calls"],
+                      gpu_kernels_ms=round(prof["gpu_kernels_ms"], 2))  # fmt: skip
+    return record
+
+
+def write(path: str, record: dict) -> None:
+    from specforge_csbp.bench.records import BenchRecord, write_records
+
+    write_records(path, [BenchRecord(**record)])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child is not None:
+        return run_child(args.child, args.trainer_argv)
+    import torch
+
+    from plugin_setup import write_target
+    from specforge_csbp.bench.grid import parse_size
+
+    modes = [m for m in MODES if m in args.modes.split(",")]
+    length = parse_size(args.context)
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if on_gpu else "cpu")
+    device_name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
+    work = os.path.abspath(args.work)
+    os.makedirs(work, exist_ok=True)
+    draft, config = drafter_config(args, work)
+    name = os.path.splitext(os.path.basename(args.draft_config))[0]
+    name = name.replace("-dflash2", "-dflash") if args.no_dflash2 else name
+    block_size = int(config.draft_block_size)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    target = write_target(config, os.path.join(work, "target"), generator, device)
+    records, store = os.path.join(work, "records"), os.path.join(work, "store")
+    shutil.rmtree(records, ignore_errors=True)
+    write_records(config, records, length, args.samples, generator, device)
+    failed = 0
+    for mode in modes:
+        if mode == "csbp":
+            import_store(config, records, store, target)
+            if not args.keep_data:
+                shutil.rmtree(records, ignore_errors=True)
+        run = run_config(args, mode, work, draft, records if mode == "specforge" else store, length, on_gpu)
+        log, peak, rc = launch(args, mode, run, work)
+        trace = newest_trace(run["output_dir"]) if args.profile_steps else None
+        record = make_record(args, mode, length, block_size, log, peak, rc, device_name, name, trace)
+        write(args.out, record)
+        if trace is not None and args.trace_dir and os.path.getsize(trace) <= TRACE_LIMIT_BYTES:
+            os.makedirs(args.trace_dir, exist_ok=True)
+            shutil.copy(trace, os.path.join(args.trace_dir, f"trainer_{mode}_{args.context}.trace.json.gz"))
+        failed += record["status"] != "ok"
+        shown = {k: record.get(k) for k in ("status", "step_ms", "data_wait_ms", "train_compute_ms",
+                                             "peak_mem_gib", "breakdown_ms", "error") if k in record}  # fmt: skip
+        print(f"trainer_bench {mode} {args.context}: {json.dumps(shown)}", flush=True)
+        shutil.rmtree(run["output_dir"], ignore_errors=True)  # the checkpoint (23 GB for the 27B shape)
+    if not args.keep_data:
+        shutil.rmtree(records, ignore_errors=True)
+        shutil.rmtree(store, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
