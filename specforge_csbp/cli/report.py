@@ -1,4 +1,5 @@
-"""`specforge-csbp report`: regenerate docs/benchmarks.md (tables, speedups, plots) from benchmark records."""
+"""`specforge-csbp report`: regenerate docs/benchmarks.md (headline, plots of the newest records) and
+docs/benchmarks_records.md (every record, speedups, planner predictions) from benchmark records."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", help="regenerate the benchmark report (markdown + PNG plots) from records")
     p.add_argument("--results", nargs="+", default=["benchmarks/results"],
                    help="record files or directories (*.json lists/objects, *.jsonl lines)")
-    p.add_argument("--out", default="docs/benchmarks.md", help="markdown file to write")
+    p.add_argument("--out", default="docs/benchmarks.md", help="headline page to write (newest measurements)")
+    p.add_argument("--records-out", default=None,
+                   help="every record's page (default: <stem of --out>_records.md beside it)")
     p.add_argument("--img-dir", default=None, help="where the PNGs go (default: <dir of --out>/img)")
     p.add_argument("--csv", default=None, help="also write every record as one CSV row here")
     p.add_argument("--title", default="Benchmarks")
@@ -54,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
                 + " and the model configs " + ", ".join(f"`{w}`: `{c}`" for w, c in sorted(models.items())) + ".")
     code_by_file = json.loads(Path(args.code_by_file).read_text()) if args.code_by_file else None
     records = write_report(args.results, args.out, img_dir=args.img_dir, csv_path=args.csv, title=args.title,
-                           predictor=predictor, predictor_note=note, same_code=same_code, code_by_file=code_by_file)
+                           predictor=predictor, predictor_note=note, same_code=same_code, code_by_file=code_by_file,
+                           records_path=args.records_out)
     print(f"report: {len(records)} records -> {args.out}")
     return 0
 
