@@ -166,19 +166,20 @@ def _selected(run: Run, contexts: set[int] | None) -> bool:
     return contexts is None or any(parse_size(c) in contexts for c in run.contexts)
 
 
-def _execute(argv: list[str], limit_s: int) -> int:
-    """Run in a process group of its own; stop the whole group at the limit (like `timeout -k`)."""
+def _execute(argv: list[str], limit_s: int) -> tuple[int, bool]:
+    """Run in a process group of its own; stop the whole group at the limit (like `timeout -k 15`).
+    Returns (exit code, whether the limit stopped it)."""
     proc = subprocess.Popen(argv, start_new_session=True)
     try:
-        return proc.wait(timeout=limit_s)
+        return proc.wait(timeout=limit_s), False
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            return proc.wait(timeout=15)
+            proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            return 124
+        return 124, True
 
 
 def run_scenarios(
@@ -204,12 +205,12 @@ def run_scenarios(
                 continue
             if run.bench == "command":
                 Path(out_dir).mkdir(parents=True, exist_ok=True)
-            rc = _execute(argv, run.limit_s)
+            rc, stopped = _execute(argv, run.limit_s)
             if copy and Path(f"/tmp/sweep-{run.workload}/records.jsonl").exists():
                 shutil.copyfile(f"/tmp/sweep-{run.workload}/records.jsonl", target)  # what it recorded, even cut short
             if rc != 0:
                 failed += 1
-                echo(f"# {sc.name}: exit {rc}" + (" (time limit)" if rc in (124, -signal.SIGTERM) else ""))
+                echo(f"# {sc.name}: exit {rc}" + (f" (stopped at its {run.limit_s} s limit)" if stopped else ""))
     return failed
 
 
