@@ -30,8 +30,11 @@ PREDICT = [
     "--code-by-file",
     "benchmarks/results-code.json",
 ]
+#: the named scenario that reruns each headline row
+SCENARIOS = ["--scenarios", "benchmarks/scenarios.toml"]
 
 if __name__ == "__main__":
     os.chdir(ROOT)
     argv = sys.argv[1:]
-    sys.exit(main(["report", *argv, *([] if "--predict" in argv else PREDICT)]))
+    sys.exit(main(["report", *argv, *([] if "--predict" in argv else PREDICT),
+                   *([] if "--scenarios" in argv else SCENARIOS)]))

@@ -97,7 +97,17 @@ runs = [
     assert failed == 2 and (out / "a.txt").read_text() == "ran" and (out / "last").exists()
     assert any("exit 3" in line for line in echoed) and any("exit 124 (stopped at its 1 s limit)" in line for line in echoed)
     child = int((out / "child.pid").read_text())
-    assert subprocess.run(["kill", "-0", str(child)], capture_output=True).returncode != 0  # the child was stopped
+    deadline = time.monotonic() + 10  # stopped; a killed child may take a moment to be reaped by init
+    while Path(f"/proc/{child}").exists() and "zombie" not in _state(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{child}").exists() or "zombie" in _state(child)
+
+
+def _state(pid: int) -> str:
+    try:
+        return next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("State:"))
+    except (OSError, StopIteration):
+        return "gone zombie"
 
 
 @pytest.mark.parametrize(
@@ -131,3 +141,26 @@ def test_the_script_lists_the_scenarios_from_any_directory(tmp_path):
                           capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("drafter-27b: headline:")
+
+
+def test_the_headline_rows_each_name_the_scenario_that_reruns_them():
+    """Every row of docs/benchmarks.md's headline (the committed records) has a named scenario that measures
+    CSBP at that point again, and the name matches the problem (GPUs, context, anchors)."""
+    import json
+
+    from specforge_csbp.bench.latest import headline_rows, latest_records
+    from specforge_csbp.bench.records import load_records
+    from specforge_csbp.bench.scenarios import rerun_command
+
+    scenarios = load_scenarios(ROOT / "benchmarks" / "scenarios.toml")
+    code = json.loads((ROOT / "benchmarks" / "results-code.json").read_text())
+    rows = headline_rows(latest_records(load_records(ROOT / "benchmarks" / "results", code_by_file=code)))
+    assert len(rows) >= 20
+    for h in rows:
+        c = h.csbp
+        assert rerun_command(scenarios, c.workload, c.world_size, c.context_len, (c.model_extra or {}).get("anchors")), c
+    assert rerun_command(scenarios, "drafter-qwen3.6-27b", 2, 1 << 19, 512) == "drafter-27b --contexts 512K"
+    assert rerun_command(scenarios, "drafter-qwen3.6-27b", 2, 1 << 20, 2048) == "drafter-27b-anchors2048 --contexts 1M"
+    assert rerun_command(scenarios, "drafter-qwen3.6-27b", 1, 1 << 18, 512) == "drafter-27b-1gpu --contexts 256K"
+    assert rerun_command(scenarios, "drafter-qwen3.6-27b", 2, 1 << 19, 1024) is None  # no scenario at 1024 anchors
+    assert rerun_command(scenarios, "sft", 2, 1 << 18) == "sft --contexts 256K"

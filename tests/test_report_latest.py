@@ -98,7 +98,9 @@ def test_superseded_records_stay_out_of_the_headline_page_and_its_plots(tmp_path
         real_save(plt, fig, ax, path, contexts, title, ylabel)
 
     monkeypatch.setattr(plots, "_save", capture)
-    write_report(tmp_path / "results", tmp_path / "docs" / "benchmarks.md")
+    rerun = {1: "one-gpu", 2: "two-gpus"}
+    write_report(tmp_path / "results", tmp_path / "docs" / "benchmarks.md",
+                 rerun=lambda r: f"{rerun[r.world_size]} --contexts {r.context_len}" if r.context_len < 1 << 20 else None)
     summary = (tmp_path / "docs" / "benchmarks.md").read_text()
     appendix = (tmp_path / "docs" / "benchmarks_records.md").read_text()
 
@@ -108,6 +110,8 @@ def test_superseded_records_stay_out_of_the_headline_page_and_its_plots(tmp_path
     assert "| drafter | 2 | 64K | 2026-11-30 | 2,600 | 2.60 | cp | 2,000 | 2.00 | 1.30x | — | [" in headline
     assert "| drafter | 2 | 1M | 2026-11-30 | 400.0 | 0.4 | cp | oom | — | cp oom | — | [" in headline
     assert "| drafter | 1 | 64K | 2026-11-30 | 1,690 | 1.69 | specforge | 1,300 | 1.30 | 1.30x | 1.30x | [" in headline
+    assert "] | `two-gpus --contexts 65536` |" in headline and "] | `one-gpu --contexts 65536` |" in headline
+    assert next(x for x in rows if "| 1M |" in x).endswith("] | — |")  # no scenario reruns that row
     for superseded in ("3,000", "1,000", "1,500", "5,000", "bench old", "bench reversed"):
         assert superseded not in summary, superseded
         assert superseded in appendix, superseded  # every record is still on the appendix page

@@ -73,7 +73,7 @@ def test_report_tables_speedups_plots_csv_deterministic(tmp_path):
 
     # one section per workload on both pages; every plot written and linked from the headline page
     assert text.count("\n## ") == 2 and "## attention" in text and "## drafter" in text
-    assert "](benchmarks_records.md)" in summary and "![" not in text
+    assert "](benchmarks_records.md)" in summary and "](benchmarks.md)" in text and "![" not in text
     for w in ("attention", "drafter"):
         assert f"\n## {w}\n" in summary
         for kind in ("tokens_per_s", "speedup", "peak_mem"):

@@ -268,9 +268,11 @@ def render_markdown(
     predictor_note: str = "",
     same_code: Callable[[BenchRecord], bool] | None = None,
     plots: bool = True,
+    headline_doc: str | Path | None = None,
 ) -> str:
     """Every record as markdown; with `plots`, writes the PNGs into img_dir (default: <doc dir>/img). With a
-    `predictor` (planner/validate.py), ok records get the planner's prediction and its error beside them."""
+    `predictor` (planner/validate.py), ok records get the planner's prediction and its error beside them.
+    `headline_doc`: the headline page (render_summary) this page is the appendix of, linked at the top."""
     doc_dir = Path(doc_path).parent
     img_dir = Path(img_dir) if img_dir is not None else doc_dir / "img"
     records = sorted(records, key=record_sort_key)
@@ -282,6 +284,9 @@ def render_markdown(
         "recomputed from the records.",
         "",
     ]
+    if headline_doc is not None:
+        rel = Path(os.path.relpath(headline_doc, doc_dir)).as_posix()
+        lines += [f"Every record, superseded ones included; the newest measurements and their plots: [{rel}]({rel}).", ""]
     if predictor is not None and predictor_note:
         lines += [predictor_note, ""]
     workloads = sorted({r.workload for r in records})
@@ -311,10 +316,12 @@ def render_summary(
     title: str = "Benchmarks",
     source: str = "benchmarks/results/",
     generator: str = "specforge-csbp report",
+    rerun: Callable[[BenchRecord], str | None] | None = None,
 ) -> str:
     """The headline page: per problem, CSBP's newest numbers against the fastest other mode and SpecForge,
     then plots of the newest records only; writes the PNGs into img_dir (default: <doc dir>/img).
-    `records` in load order (latest_records breaks ties of one day by it); `records_doc`: the appendix."""
+    `records` in load order (latest_records breaks ties of one day by it); `records_doc`: the appendix;
+    `rerun`: a CSBP record -> the named scenario that remeasures it (bench/scenarios.py), as a column."""
     doc_dir = Path(doc_path).parent
     img_dir = Path(img_dir) if img_dir is not None else doc_dir / "img"
     latest = latest_records(records)
@@ -333,7 +340,7 @@ def render_summary(
     if not rows:
         lines += ["No records yet." if not records else "No CSBP records yet.", ""]
     else:
-        lines += _headline_table(rows, latest)
+        lines += _headline_table(rows, rerun)
     latest_sorted = sorted(latest, key=record_sort_key)
     for w in sorted({r.workload for r in latest}):
         images = plot_workload(latest_sorted, w, img_dir, headline=rows)
@@ -350,7 +357,7 @@ def render_summary(
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def _headline_table(rows: list[HeadlineRow], latest: list[BenchRecord]) -> list[str]:
+def _headline_table(rows: list[HeadlineRow], rerun: Callable[[BenchRecord], str | None] | None) -> list[str]:
     runs: dict[str, int] = {}
     # problem fields that tell one workload's rows apart (anchors, ...), as columns
     varying = sorted({name for h in rows for name in problem_fields(h.csbp)
@@ -358,6 +365,8 @@ def _headline_table(rows: list[HeadlineRow], latest: list[BenchRecord]) -> list[
                               if g.csbp.workload == h.csbp.workload}) > 1})  # fmt: skip
     header = ["workload", "GPUs", "context", *varying, "date", "CSBP tokens/s", "CSBP peak GiB", "best other mode",
               "its tokens/s", "its peak GiB", "CSBP / best other", "CSBP / SpecForge", "run"]  # fmt: skip
+    if rerun is not None:
+        header.append("rerun")
     def order(h: HeadlineRow) -> tuple:
         fields = problem_fields(h.csbp)
         return (h.csbp.workload, h.csbp.world_size, *[format_value(fields.get(n)) for n in varying],
@@ -380,6 +389,9 @@ def _headline_table(rows: list[HeadlineRow], latest: list[BenchRecord]) -> list[
             _ratio_text(h.over_specforge, "specforge", h.specforge_status),
             f"[{runs[c.command]}]",
         ])  # fmt: skip
+        if rerun is not None:
+            name = rerun(c)
+            body[-1].append(f"`{name}`" if name else "—")
     lines = [
         "## Headline",
         "",
@@ -388,8 +400,9 @@ def _headline_table(rows: list[HeadlineRow], latest: list[BenchRecord]) -> list[
         "against stock SpecForge alone (one GPU; `—`: not measured for that problem). tokens/s: supervised tokens "
         "per second of the whole job; peak GiB: peak memory per GPU, the maximum over ranks; `<mode> oom`: that "
         "mode did not fit. Both sides ran on the problem's newest day, each mode from a fresh compile state, "
-        "not always in one launch. `run`: the CSBP record's command, listed below; `benchmarks/scenarios.toml` "
-        "names the launches (`python benchmarks/run_scenario.py --list`).",
+        "not always in one launch. `run`: the CSBP record's command, listed below. `rerun`: the named scenario "
+        "that measures the row again with today's code and defaults (`python benchmarks/run_scenario.py NAME "
+        "--contexts L`, benchmarks/README.md).",
         "",
     ]
     lines += _table(header, body) + [""]
@@ -437,10 +450,12 @@ def write_report(
     same_code: Callable[[BenchRecord], bool] | None = None,
     code_by_file: dict[str, str] | None = None,
     records_path: str | Path | None = None,
+    rerun: Callable[[BenchRecord], str | None] | None = None,
 ) -> list[BenchRecord]:
     """Load every record under `results`, write the headline page to `doc_path`, every record to
     `records_path` (default: `<doc stem>_records.md` beside it), optionally the CSV; returns the records.
-    `code_by_file`: library digests of record files written before records carried one (load_records)."""
+    `code_by_file`: library digests of record files written before records carried one (load_records);
+    `rerun`: see render_summary."""
     paths = results if isinstance(results, list) else [results]
     existing = [p for p in paths if Path(p).exists()]
     records = load_records(existing, code_by_file=code_by_file) if existing else []
@@ -450,9 +465,9 @@ def write_report(
         f"{doc_path.stem}_records{doc_path.suffix}")  # fmt: skip
     appendix = render_markdown(records, doc_path=records_path, title=f"{title}: every record", source=source,
                                generator=generator, predictor=predictor, predictor_note=predictor_note,
-                               same_code=same_code, plots=False)  # fmt: skip
+                               same_code=same_code, plots=False, headline_doc=doc_path)  # fmt: skip
     summary = render_summary(records, doc_path=doc_path, records_doc=records_path, img_dir=img_dir, title=title,
-                             source=source, generator=generator)  # fmt: skip
+                             source=source, generator=generator, rerun=rerun)  # fmt: skip
     for path, text in ((records_path, appendix), (doc_path, summary)):
         _write_atomic(path, text)
     if csv_path is not None:

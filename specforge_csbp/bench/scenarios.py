@@ -32,7 +32,7 @@ from pathlib import Path
 
 from .grid import parse_size, parse_sizes
 
-__all__ = ["BENCHES", "Run", "Scenario", "build_command", "load_scenarios", "main", "run_scenarios"]
+__all__ = ["BENCHES", "Run", "Scenario", "build_command", "load_scenarios", "main", "rerun_command", "run_scenarios"]
 
 DEFAULT_FILE = Path(__file__).resolve().parents[2] / "benchmarks" / "scenarios.toml"
 # bench -> (script, records file under the output directory)
@@ -47,7 +47,8 @@ RUN_FIELDS = {
     "bench": str, "gpus": int, "contexts": list, "modes": list, "shape": str, "anchors": int,
     "block_size": int, "workload": str, "args": list, "command": str, "limit_s": int, "point_timeout_s": int,
 }  # fmt: skip
-SCENARIO_FIELDS = {"description": str, "runs": list, **RUN_FIELDS}
+# `reproduces`: the record workload (drafter-qwen3.6-27b, sft, ...) whose headline rows the scenario remeasures
+SCENARIO_FIELDS = {"description": str, "reproduces": str, "runs": list, **RUN_FIELDS}
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,20 @@ class Scenario:
     name: str
     description: str
     runs: tuple[Run, ...] = field(default_factory=tuple)
+    reproduces: str | None = None  # the record workload whose points its runs remeasure
+
+
+def rerun_command(scenarios: dict[str, Scenario], workload: str, world_size: int, context_len: int,
+                  anchors: int | None = None) -> str | None:  # fmt: skip
+    """`NAME --contexts L` of the first scenario that remeasures CSBP at this point, None when none does."""
+    for sc in scenarios.values():
+        if sc.reproduces != workload:
+            continue
+        for run in sc.runs:
+            if (run.gpus == world_size and "csbp" in run.modes and (run.anchors is None or run.anchors == anchors)
+                    and any(parse_size(c) == context_len for c in run.contexts)):  # fmt: skip
+                return f"{sc.name} --contexts {next(c for c in run.contexts if parse_size(c) == context_len)}"
+    return None
 
 
 def _check(where: str, table: dict, allowed: dict[str, type]) -> None:
@@ -112,7 +127,7 @@ def load_scenarios(path: str | Path = DEFAULT_FILE) -> dict[str, Scenario]:
         _check(name, table, SCENARIO_FIELDS)
         if not table.get("runs"):
             raise ValueError(f"{name}.runs: at least one run")
-        defaults = {k: v for k, v in table.items() if k not in ("description", "runs")}
+        defaults = {k: v for k, v in table.items() if k not in ("description", "reproduces", "runs")}
         runs = []
         for i, run in enumerate(table["runs"]):
             where = f"{name}.runs[{i}]"
@@ -120,7 +135,7 @@ def load_scenarios(path: str | Path = DEFAULT_FILE) -> dict[str, Scenario]:
                 raise ValueError(f"{where}: must be a table {{ contexts = [...], ... }}")
             _check(where, run, RUN_FIELDS)
             runs.append(_run(where, {**defaults, **run}))
-        out[name] = Scenario(name, str(table.get("description", "")), tuple(runs))
+        out[name] = Scenario(name, str(table.get("description", "")), tuple(runs), table.get("reproduces"))
     return out
 
 
@@ -177,8 +192,12 @@ def _execute(argv: list[str], limit_s: int) -> tuple[int, bool]:
         try:
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
+            pass
+        try:  # whatever of the group outlived the leader (a rank, a sleeping child): nothing is left running
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        except ProcessLookupError:
+            pass
+        proc.wait()
         return 124, True
 
 

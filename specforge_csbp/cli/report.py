@@ -28,6 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="put the planner's prediction beside every ok record of WORKLOAD (model config.json)")
     p.add_argument("--profile", nargs="+", default=["h200-nominal"], metavar="[WORKLOAD=]PROFILE",
                    help="machine profile for --predict (JSON or built-in); WORKLOAD=PROFILE: that workload's own")
+    p.add_argument("--scenarios", default=None, metavar="TOML",
+                   help="named scenarios (benchmarks/scenarios.toml): the headline names the one that reruns each row")
     p.add_argument("--code-by-file", default=None, metavar="JSON",
                    help="{record file name: library digest} for records written before they carried `code`")
     p.set_defaults(func=run)
@@ -56,9 +58,18 @@ def run(args: argparse.Namespace) -> int:
                 + "".join(f"; for `{w}` the profile `{own_names[w]}` ({p.summary()})" for w, p in sorted(own.items()))
                 + " and the model configs " + ", ".join(f"`{w}`: `{c}`" for w, c in sorted(models.items())) + ".")
     code_by_file = json.loads(Path(args.code_by_file).read_text()) if args.code_by_file else None
+    rerun = None
+    if args.scenarios:
+        from ..bench.scenarios import load_scenarios, rerun_command
+
+        scenarios = load_scenarios(args.scenarios)
+
+        def rerun(r: BenchRecord) -> str | None:
+            return rerun_command(scenarios, r.workload, r.world_size, r.context_len, (r.model_extra or {}).get("anchors"))
+
     records = write_report(args.results, args.out, img_dir=args.img_dir, csv_path=args.csv, title=args.title,
                            predictor=predictor, predictor_note=note, same_code=same_code, code_by_file=code_by_file,
-                           records_path=args.records_out)
+                           records_path=args.records_out, rerun=rerun)
     print(f"report: {len(records)} records -> {args.out}")
     return 0
 
