@@ -95,7 +95,8 @@ def _check(where: str, table: dict, allowed: dict[str, type]) -> None:
         if key not in allowed:
             raise ValueError(f"{where}: unknown field {key!r}; allowed: {', '.join(sorted(allowed))}")
         if not isinstance(value, allowed[key]) or isinstance(value, bool):
-            raise ValueError(f"{where}.{key}: must be a {allowed[key].__name__}; got {value!r}")
+            kind = {int: "an integer", str: "a string", list: "a list"}[allowed[key]]
+            raise ValueError(f"{where}.{key}: must be {kind}; got {value!r}")
 
 
 def _run(where: str, table: dict) -> Run:
