@@ -6,7 +6,7 @@ of the same configuration, is superseded by the newer one and must not stand in 
     problem   = workload, world size, context, block size, device, PROBLEM_EXTRAS (model, anchors, ...)
     config    = problem + mode + SWITCH_EXTRAS (schedule, gather_ahead, ...)
 
-    records of one problem ──► keep the newest day only (newer code measured it; older days are superseded)
+    records of one problem ──► keep its newest day (newer code measured it; older days are superseded)
                           ──► per config, keep only its newest launch (repeats within that launch stay)
                           ──► headline row: the fastest CSBP record, the fastest other mode, SpecForge
 
@@ -66,7 +66,8 @@ def latest_records(records: list[BenchRecord]) -> list[BenchRecord]:
     `records` must be in load order (load_records: files by name, lines in order), which breaks ties
     between records of one day that carry no library digest."""
     records = [r for r in records if not any((r.model_extra or {}).get(k) == v for k, v in RETIRED_SWITCHES)]
-    recency = {id(r): (r.date, (r.model_extra or {}).get("code") is not None, i) for i, r in enumerate(records)}
+    recency = {id(r): (r.date, (r.model_extra or {}).get("code") is not None, i)
+               for i, r in enumerate(records)}  # fmt: skip
     newest_day: dict[tuple, str] = {}
     for r in records:
         p = problem_key(r)

@@ -131,10 +131,11 @@ def plot_workload(
         _save(plt, fig, ax, path, contexts, f"{workload}: {ylabel.split(' (')[0]}", ylabel)
         out[kind] = path
 
-    # Speedup: the headline rows, else only side-by-side groups (compare.py): CSBP over the fastest other mode.
+    # Speedup: the headline rows, else side-by-side groups only (compare.py): CSBP over the fastest other mode
     pairs: list[tuple[BenchRecord, BenchRecord]] = []
     if headline is not None:
-        pairs = [(h.csbp, h.other) for h in headline if h.csbp.workload == workload and h.over_other is not None]
+        pairs = [(h.csbp, h.other) for h in headline
+                 if h.csbp.workload == workload and h.over_other is not None]  # fmt: skip
     else:
         for by_mode in group_side_by_side(recs).values():
             csbp = [r for r in by_mode.get("csbp", []) if r.status == "ok" and r.tokens_per_s]

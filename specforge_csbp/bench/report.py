@@ -286,7 +286,8 @@ def render_markdown(
     ]
     if headline_doc is not None:
         rel = Path(os.path.relpath(headline_doc, doc_dir)).as_posix()
-        lines += [f"Every record, superseded ones included; the newest measurements and their plots: [{rel}]({rel}).", ""]
+        lines += [f"Every record, superseded ones included; the newest measurements and their plots: "
+                  f"[{rel}]({rel}).", ""]  # fmt: skip
     if predictor is not None and predictor_note:
         lines += [predictor_note, ""]
     workloads = sorted({r.workload for r in records})
@@ -383,7 +384,8 @@ def _headline_table(rows: list[HeadlineRow], rerun: Callable[[BenchRecord], str 
         body.append([
             c.workload, str(c.world_size), context_label(c.context_len),
             *[format_value(fields.get(name)) for name in varying], c.date, csbp_tps, format_value(c.peak_mem_gib),
-            h.other_mode or "—", format_value(other.tokens_per_s) if other else h.other_status if h.other_mode else "—",
+            h.other_mode or "—",
+            format_value(other.tokens_per_s) if other else h.other_status if h.other_mode else "—",
             format_value(other.peak_mem_gib) if other else "—",
             _ratio_text(h.over_other, h.other_mode, h.other_status),
             _ratio_text(h.over_specforge, "specforge", h.specforge_status),

@@ -32,7 +32,9 @@ from pathlib import Path
 
 from .grid import parse_size, parse_sizes
 
-__all__ = ["BENCHES", "Run", "Scenario", "build_command", "load_scenarios", "main", "rerun_command", "run_scenarios"]
+__all__ = [
+    "BENCHES", "Run", "Scenario", "build_command", "load_scenarios", "main", "rerun_command", "run_scenarios",
+]  # fmt: skip
 
 DEFAULT_FILE = Path(__file__).resolve().parents[2] / "benchmarks" / "scenarios.toml"
 # bench -> (script, records file under the output directory)
@@ -47,7 +49,7 @@ RUN_FIELDS = {
     "bench": str, "gpus": int, "contexts": list, "modes": list, "shape": str, "anchors": int,
     "block_size": int, "workload": str, "args": list, "command": str, "limit_s": int, "point_timeout_s": int,
 }  # fmt: skip
-# `reproduces`: the record workload (drafter-qwen3.6-27b, sft, ...) whose headline rows the scenario remeasures
+# reproduces: the record workload (drafter-qwen3.6-27b, sft, ...) whose headline rows the scenario remeasures
 SCENARIO_FIELDS = {"description": str, "reproduces": str, "runs": list, **RUN_FIELDS}
 
 
@@ -84,7 +86,8 @@ def rerun_command(scenarios: dict[str, Scenario], workload: str, world_size: int
         if sc.reproduces != workload:
             continue
         for run in sc.runs:
-            if (run.gpus == world_size and "csbp" in run.modes and (run.anchors is None or run.anchors == anchors)
+            if (run.gpus == world_size and "csbp" in run.modes
+                    and (run.anchors is None or run.anchors == anchors)
                     and any(parse_size(c) == context_len for c in run.contexts)):  # fmt: skip
                 return f"{sc.name} --contexts {next(c for c in run.contexts if parse_size(c) == context_len)}"
     return None
@@ -140,7 +143,9 @@ def load_scenarios(path: str | Path = DEFAULT_FILE) -> dict[str, Scenario]:
     return out
 
 
-def build_command(run: Run, out_dir: str, *, python: str = "python3", torchrun: str = "torchrun") -> list[str]:
+def build_command(
+    run: Run, out_dir: str, *, python: str = "python3", torchrun: str = "torchrun"
+) -> list[str]:
     """The argv of one run (bench = "command": bash -c with the command as written)."""
     sub = {"out": out_dir}
     args = [a.format(**sub) for a in run.args]
@@ -148,8 +153,9 @@ def build_command(run: Run, out_dir: str, *, python: str = "python3", torchrun: 
         return ["bash", "-c", run.command.format(**sub)]
     if run.bench == "sweep":
         sweep_dir = f"/tmp/sweep-{run.workload}"
-        cmd = [python, "-m", "specforge_csbp", "sweep", "--workload", run.workload, "--contexts", ",".join(run.contexts),
-               "--modes", ",".join(run.modes), "--world-sizes", str(run.gpus), "--timeout", str(run.point_timeout_s),
+        cmd = [python, "-m", "specforge_csbp", "sweep", "--workload", run.workload,
+               "--contexts", ",".join(run.contexts), "--modes", ",".join(run.modes),
+               "--world-sizes", str(run.gpus), "--timeout", str(run.point_timeout_s),
                "--out-dir", sweep_dir, "--no-progress"]  # fmt: skip
         if run.block_size is not None:
             cmd += ["--block-sizes", str(run.block_size)]
@@ -160,7 +166,8 @@ def build_command(run: Run, out_dir: str, *, python: str = "python3", torchrun: 
     if run.gpus == 1:
         launch = ["env", "CUDA_VISIBLE_DEVICES=0", python, script]
     else:
-        launch = [torchrun, *(["--standalone"] if run.bench == "bdlm" else []), f"--nproc-per-node={run.gpus}", script]
+        standalone = ["--standalone"] if run.bench == "bdlm" else []
+        launch = [torchrun, *standalone, f"--nproc-per-node={run.gpus}", script]
     cmd = list(launch)
     if run.shape is not None:
         cmd += ["--shape", run.shape]
@@ -227,10 +234,12 @@ def run_scenarios(
                 Path(out_dir).mkdir(parents=True, exist_ok=True)
             rc, stopped = _execute(argv, run.limit_s)
             if copy and Path(f"/tmp/sweep-{run.workload}/records.jsonl").exists():
-                shutil.copyfile(f"/tmp/sweep-{run.workload}/records.jsonl", target)  # what it recorded, even cut short
+                # what the sweep recorded, even when its limit cut it short
+                shutil.copyfile(f"/tmp/sweep-{run.workload}/records.jsonl", target)
             if rc != 0:
                 failed += 1
-                echo(f"# {sc.name}: exit {rc}" + (f" (stopped at its {run.limit_s} s limit)" if stopped else ""))
+                why = f" (stopped at its {run.limit_s} s limit)" if stopped else ""
+                echo(f"# {sc.name}: exit {rc}{why}")
     return failed
 
 
@@ -260,6 +269,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, tomllib.TOMLDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    failed = run_scenarios([scenarios[n] for n in args.names], args.out, dry_run=args.dry_run, contexts=contexts,
-                           python=args.python, torchrun=args.torchrun)  # fmt: skip
+    failed = run_scenarios([scenarios[n] for n in args.names], args.out, dry_run=args.dry_run,
+                           contexts=contexts, python=args.python, torchrun=args.torchrun)  # fmt: skip
     return 1 if failed else 0

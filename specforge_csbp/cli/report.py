@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", nargs="+", default=["h200-nominal"], metavar="[WORKLOAD=]PROFILE",
                    help="machine profile for --predict (JSON or built-in); WORKLOAD=PROFILE: that workload's own")
     p.add_argument("--scenarios", default=None, metavar="TOML",
-                   help="named scenarios (benchmarks/scenarios.toml): the headline names the one that reruns each row")
+                   help="named scenarios (benchmarks/scenarios.toml): the headline names each row's rerun")
     p.add_argument("--code-by-file", default=None, metavar="JSON",
                    help="{record file name: library digest} for records written before they carried `code`")
     p.set_defaults(func=run)
@@ -65,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
         scenarios = load_scenarios(args.scenarios)
 
         def rerun(r: BenchRecord) -> str | None:
-            return rerun_command(scenarios, r.workload, r.world_size, r.context_len, (r.model_extra or {}).get("anchors"))
+            anchors = (r.model_extra or {}).get("anchors")
+            return rerun_command(scenarios, r.workload, r.world_size, r.context_len, anchors)
 
     records = write_report(args.results, args.out, img_dir=args.img_dir, csv_path=args.csv, title=args.title,
                            predictor=predictor, predictor_note=note, same_code=same_code, code_by_file=code_by_file,
