@@ -33,7 +33,7 @@ def test_report_puts_planner_predictions_and_errors_beside_records(tmp_path, cap
     rc = main(["report", "--results", str(tmp_path / "res"), "--out", str(tmp_path / "b.md"),
                "--predict", f"drafter-tiny={tmp_path / 'd.json'}", "--profile", str(tmp_path / "p.json")])  # fmt: skip
     assert rc == 0
-    md = (tmp_path / "b.md").read_text()
+    md = (tmp_path / "b_records.md").read_text()  # the every-record page carries the predictions
     assert "planned tokens/s | error | planned GiB | error" in md
     row = {m: next(x for x in md.splitlines() if x.startswith(f"| {m} | 2 |")) for m in ("csbp", "cp", "bp")}
     assert row["csbp"].count("-9.1%") == 2 and row["cp"].count("+25.0%") == 2  # pred / measured - 1
@@ -69,7 +69,7 @@ def test_report_takes_a_workloads_own_profile(tmp_path, capsys):
     predict = ["--predict", f"drafter-tiny={tmp_path / 'd.json'}"]
     assert main(["report", "--results", str(tmp_path / "res"), "--out", str(tmp_path / "b.md"), *predict,
                  "--profile", str(tmp_path / "p.json"), f"drafter-tiny={tmp_path / 'own.json'}"]) == 0  # fmt: skip
-    md = (tmp_path / "b.md").read_text()
+    md = (tmp_path / "b_records.md").read_text()  # the every-record page carries the predictions
     assert "for `drafter-tiny` the profile" in md and "own-gpu" in md
     assert main(["report", "--results", str(tmp_path / "res"), "--out", str(tmp_path / "c.md"), *predict,
                  "--profile", str(tmp_path / "p.json"), str(tmp_path / "own.json")]) == 2  # fmt: skip
@@ -94,7 +94,7 @@ def test_planner_error_leaves_out_records_that_compiled_while_timed(tmp_path):
     (tmp_path / "res" / "r.json").write_text(json.dumps(recs))
     assert main(["report", "--results", str(tmp_path / "res"), "--out", str(tmp_path / "b.md"),
                  "--predict", f"drafter-tiny={tmp_path / 'd.json'}", "--profile", str(tmp_path / "p.json")]) == 0  # fmt: skip
-    md = (tmp_path / "b.md").read_text()
+    md = (tmp_path / "b_records.md").read_text()  # the every-record page carries the predictions
     assert "tokens/s error max 0.0%, mean 0.0%, 1/1 within 15%" in md
     assert "Left out of both: 1 record(s) whose timed steps compiled 2 or more graphs" in md and "cp L=4096 (x)" in md
     assert "+100.0%" in next(x for x in md.splitlines() if x.startswith("| cp | 2 |"))  # still in the table

@@ -55,25 +55,30 @@ def _synthetic(tmp: Path) -> list[dict]:
 
 
 def _render(tmp: Path, name: str) -> tuple[str, dict[str, str]]:
+    """The every-record page's text (benchmarks_records.md, beside --out by default) and the PNGs' digests."""
     doc = tmp / name / "benchmarks.md"
     rc = main(["report", "--results", str(tmp / "results"), "--out", str(doc), "--csv", str(tmp / name / "r.csv")])
     assert rc == 0
     imgs = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((tmp / name / "img").glob("*.png"))}
-    return doc.read_text(), imgs
+    return (tmp / name / "benchmarks_records.md").read_text(), imgs
 
 
 def test_report_tables_speedups_plots_csv_deterministic(tmp_path):
     raw = _synthetic(tmp_path)
     text, imgs = _render(tmp_path, "a")
     text2, imgs2 = _render(tmp_path, "b")
+    summary = (tmp_path / "a" / "benchmarks.md").read_text()
     assert text == text2 and imgs == imgs2  # same records -> same bytes (markdown and PNGs)
+    assert summary == (tmp_path / "b" / "benchmarks.md").read_text()
 
-    # one section per workload, every plot written and linked relative to the markdown file
+    # one section per workload on both pages; every plot written and linked from the headline page
     assert text.count("\n## ") == 2 and "## attention" in text and "## drafter" in text
+    assert "](benchmarks_records.md)" in summary and "](benchmarks.md)" in text and "![" not in text
     for w in ("attention", "drafter"):
+        assert f"\n## {w}\n" in summary
         for kind in ("tokens_per_s", "speedup", "peak_mem"):
             assert f"{w}_{kind}.png" in imgs
-            assert f"](img/{w}_{kind}.png)" in text
+            assert f"](img/{w}_{kind}.png)" in summary
     # every record is one table row (rows end with a run reference) and one CSV row
     assert sum(line.startswith("| ") and line.rstrip().endswith("] |") for line in text.splitlines()) == len(raw)
     with open(tmp_path / "a" / "r.csv") as f:
@@ -108,6 +113,7 @@ def test_report_empty_and_bad_records(tmp_path):
     (tmp_path / "results").mkdir()
     recs = write_report(tmp_path / "results", tmp_path / "doc.md")
     assert recs == [] and "No records yet." in (tmp_path / "doc.md").read_text()
+    assert "No records yet." in (tmp_path / "doc_records.md").read_text()
     (tmp_path / "results" / "bad.json").write_text(json.dumps([{"workload": "x", "mode": "warp"}]))
     with pytest.raises(ValueError, match="mode"):
         write_report(tmp_path / "results", tmp_path / "doc.md")

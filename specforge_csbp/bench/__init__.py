@@ -2,11 +2,13 @@
 
     records.py   the shared record schema (BenchRecord, load_records, write_records)
     compare.py   which records were measured side by side; CSBP's speedup over every other mode
+    latest.py    the newest measurement of each configuration; one headline row per problem
     plots.py     PNG plots of one workload (tokens/s, CSBP speedup, peak memory vs context)
-    report.py    markdown report + CSV from records (`specforge-csbp report`)
+    report.py    headline page, every-record page and CSV from records (`specforge-csbp report`)
     grid.py      sweep points and their command lines (the benchmark-script contract)
     isolation.py fresh_point(): every mode of a launch starts from the same compile/allocator state
     runner.py    run a sweep: fresh process per point, oom/error recorded, resumable (`specforge-csbp sweep`)
+    scenarios.py named GPU scenarios (benchmarks/scenarios.toml) and their runner (benchmarks/run_scenario.py)
 """
 
 __all__ = ["BenchRecord", "load_records", "write_records"]

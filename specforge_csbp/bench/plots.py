@@ -1,10 +1,13 @@
 """PNG plots of one workload's records (matplotlib, Agg, no timestamps: same records -> same bytes).
 
     <slug>_tokens_per_s.png   tokens/s vs context, one line per mode (and degree / block size if they vary)
-    <slug>_speedup.png        CSBP tokens/s over the best non-CSBP mode measured side by side, vs context
+    <slug>_speedup.png        CSBP tokens/s over the best non-CSBP mode, vs context: the headline rows
+                              (bench/latest.py) when given, else the side-by-side groups (compare.py)
     <slug>_peak_mem.png       peak memory (max over ranks) vs context, one line per mode
 
 Only ok records are drawn; a point that has several ok records (repeats) shows the fastest / smallest.
+Lines are told apart by mode and by whatever varies among the records drawn (GPUs, block size, the problem
+fields of bench/latest.py such as anchors, device, date). docs/benchmarks.md draws the newest records only.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ import re
 from pathlib import Path
 
 from .compare import best_other, group_side_by_side, mode_rank
+from .latest import HeadlineRow, problem_fields
 from .records import BenchRecord
 
-__all__ = ["plot_workload", "slug"]
+__all__ = ["context_label", "plot_workload", "slug"]
 
 PLOT_KINDS = ("tokens_per_s", "speedup", "peak_mem")
 
@@ -35,7 +39,8 @@ def _pyplot():
     return plt
 
 
-def _ctx_label(n: int) -> str:
+def context_label(n: int) -> str:
+    """64K, 1M, ...: a context length as users write it (powers of two), else the plain number."""
     if n >= 1 << 20 and n % (1 << 20) == 0:
         return f"{n >> 20}M"
     if n >= 1 << 10 and n % (1 << 10) == 0:
@@ -49,6 +54,7 @@ def _series_label(r: BenchRecord, vary: dict[str, bool], with_mode: bool = True)
         parts.append(f"P={r.world_size}")
     if vary["block_size"] or not with_mode:
         parts.append(f"S={r.block_size}")
+    parts += [f"{name}={value}" for name, value in problem_fields(r).items() if vary.get(name)]
     if vary["device"]:
         parts.append(r.device)
     if vary["date"]:
@@ -58,7 +64,7 @@ def _series_label(r: BenchRecord, vary: dict[str, bool], with_mode: bool = True)
 
 def _save(plt, fig, ax, path: Path, contexts: list[int], title: str, ylabel: str) -> None:
     ax.set_xscale("log", base=2)
-    ax.set_xticks(contexts, [_ctx_label(c) for c in contexts])
+    ax.set_xticks(contexts, [context_label(c) for c in contexts])
     ax.minorticks_off()
     ax.set_xlabel("context length (clean tokens)")
     ax.set_ylabel(ylabel)
@@ -77,12 +83,17 @@ def _lines(points: dict[str, dict[int, float]], ax, sort_key) -> None:
         ax.plot(xs, [points[label][x] for x in xs], marker="o", label=label)
 
 
-def plot_workload(records: list[BenchRecord], workload: str, img_dir: str | Path) -> dict[str, Path]:
-    """Write the plots of `workload` that have data; returns {kind: path}."""
+def plot_workload(
+    records: list[BenchRecord], workload: str, img_dir: str | Path, headline: list[HeadlineRow] | None = None
+) -> dict[str, Path]:
+    """Write the plots of `workload` that have data; returns {kind: path}. With `headline`, the speedup
+    plot draws those rows (CSBP over the best other mode of each problem) instead of side-by-side groups."""
     recs = [r for r in records if r.workload == workload]
     ok = [r for r in recs if r.status == "ok"]
     img_dir = Path(img_dir)
     vary = {f: len({getattr(r, f) for r in recs}) > 1 for f in ("world_size", "block_size", "device", "date")}
+    for name in {n for r in recs for n in problem_fields(r)}:
+        vary[name] = len({repr(problem_fields(r).get(name)) for r in recs}) > 1
     out: dict[str, Path] = {}
     if not ok:
         return out
@@ -120,17 +131,22 @@ def plot_workload(records: list[BenchRecord], workload: str, img_dir: str | Path
         _save(plt, fig, ax, path, contexts, f"{workload}: {ylabel.split(' (')[0]}", ylabel)
         out[kind] = path
 
-    # Speedup: only side-by-side groups (compare.py), CSBP over the fastest other mode of the group.
+    # Speedup: the headline rows, else side-by-side groups only (compare.py): CSBP over the fastest other mode
+    pairs: list[tuple[BenchRecord, BenchRecord]] = []
+    if headline is not None:
+        pairs = [(h.csbp, h.other) for h in headline
+                 if h.csbp.workload == workload and h.over_other is not None]  # fmt: skip
+    else:
+        for by_mode in group_side_by_side(recs).values():
+            csbp = [r for r in by_mode.get("csbp", []) if r.status == "ok" and r.tokens_per_s]
+            other = best_other(by_mode)
+            if csbp and other is not None and other[1].tokens_per_s:
+                pairs.append((max(csbp, key=lambda r: r.tokens_per_s or 0.0), other[1]))
     spd: dict[str, dict[int, float]] = {}
-    for by_mode in group_side_by_side(recs).values():
-        csbp = [r for r in by_mode.get("csbp", []) if r.status == "ok" and r.tokens_per_s]
-        other = best_other(by_mode)
-        if not csbp or other is None or not other[1].tokens_per_s:
-            continue
-        best_csbp = max(csbp, key=lambda r: r.tokens_per_s or 0.0)
+    for best_csbp, other_rec in pairs:
         label = _series_label(best_csbp, vary, with_mode=False)
         labels.setdefault(label, best_csbp)
-        spd.setdefault(label, {})[best_csbp.context_len] = best_csbp.tokens_per_s / other[1].tokens_per_s
+        spd.setdefault(label, {})[best_csbp.context_len] = best_csbp.tokens_per_s / other_rec.tokens_per_s
     if spd:
         contexts = sorted({c for p in spd.values() for c in p})
         fig, ax = plt.subplots(figsize=(7, 4.2))

@@ -1,10 +1,13 @@
-"""Render records into a markdown report (tables, speedups, commands, plot links) and a CSV.
+"""Render records into markdown (a headline page and a records appendix, with plots) and a CSV.
 
-The report is a pure function of the records (sorted, no clock): rendering twice gives the same bytes.
+Both pages are pure functions of the records (no clock): rendering twice gives the same bytes.
 
-    # Benchmarks
+    docs/benchmarks.md (render_summary): the newest measurements only (bench/latest.py)
+      | workload | GPUs | context | ... | CSBP tokens/s | best other mode | CSBP / best other | ... | run |
+      ## <workload>: ![plots](img/<workload>_*.png)
+      runs: [n] `command`
+    docs/benchmarks_records.md (render_markdown): every record
     ## <workload>                       one section per workload, sorted by name
-      ![plots](img/<workload>_*.png)
       | mode | world_size | context_len | ... | status | extras... | run |     all records
       | context_len | world_size | block_size | ... | speedup over cp | ... |   CSBP vs each mode
       runs: [n] device, date: `command`                                        every distinct command
@@ -22,10 +25,21 @@ from pathlib import Path
 from typing import Any
 
 from .compare import CONFIG_EXTRAS, extra_fields, group_side_by_side, mode_rank, speedups
-from .plots import plot_workload
+from .latest import HeadlineRow, headline_rows, latest_records, problem_fields
+from .plots import context_label, plot_workload
 from .records import BenchRecord, load_records
 
-__all__ = ["CSV_FIELDS", "format_value", "fresh_compile", "record_sort_key", "render_markdown", "steady", "write_csv", "write_report"]
+__all__ = [
+    "CSV_FIELDS",
+    "format_value",
+    "fresh_compile",
+    "record_sort_key",
+    "render_markdown",
+    "render_summary",
+    "steady",
+    "write_csv",
+    "write_report",
+]
 
 # Table columns (field, header); attention-only columns appear when a workload's records carry them.
 CORE_COLUMNS = (
@@ -253,9 +267,12 @@ def render_markdown(
     predictor: Predictor | None = None,
     predictor_note: str = "",
     same_code: Callable[[BenchRecord], bool] | None = None,
+    plots: bool = True,
+    headline_doc: str | Path | None = None,
 ) -> str:
-    """The whole report as markdown; writes the PNGs into img_dir (default: <doc dir>/img). With a
-    `predictor` (planner/validate.py), ok records get the planner's prediction and its error beside them."""
+    """Every record as markdown; with `plots`, writes the PNGs into img_dir (default: <doc dir>/img). With a
+    `predictor` (planner/validate.py), ok records get the planner's prediction and its error beside them.
+    `headline_doc`: the headline page (render_summary) this page is the appendix of, linked at the top."""
     doc_dir = Path(doc_path).parent
     img_dir = Path(img_dir) if img_dir is not None else doc_dir / "img"
     records = sorted(records, key=record_sort_key)
@@ -267,6 +284,10 @@ def render_markdown(
         "recomputed from the records.",
         "",
     ]
+    if headline_doc is not None:
+        rel = Path(os.path.relpath(headline_doc, doc_dir)).as_posix()
+        lines += [f"Every record, superseded ones included; the newest measurements and their plots: "
+                  f"[{rel}]({rel}).", ""]  # fmt: skip
     if predictor is not None and predictor_note:
         lines += [predictor_note, ""]
     workloads = sorted({r.workload for r in records})
@@ -274,9 +295,132 @@ def render_markdown(
         lines += ["No records yet.", ""]
     for w in workloads:
         recs = [r for r in records if r.workload == w]
-        plots = plot_workload(recs, w, img_dir)
-        lines += _workload_section(recs, plots, doc_dir, predictor, same_code)
+        images = plot_workload(recs, w, img_dir) if plots else {}
+        lines += _workload_section(recs, images, doc_dir, predictor, same_code)
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _ratio_text(value: float | None, mode: str | None, status: str | None) -> str:
+    if value is not None:
+        return f"{value:.2f}x"
+    if mode is not None and status not in (None, "ok"):
+        return f"{mode} {status}"
+    return "—"
+
+
+def render_summary(
+    records: list[BenchRecord],
+    *,
+    doc_path: str | Path,
+    records_doc: str | Path,
+    img_dir: str | Path | None = None,
+    title: str = "Benchmarks",
+    source: str = "benchmarks/results/",
+    generator: str = "specforge-csbp report",
+    rerun: Callable[[BenchRecord], str | None] | None = None,
+) -> str:
+    """The headline page: per problem, CSBP's newest numbers against the fastest other mode and SpecForge,
+    then plots of the newest records only; writes the PNGs into img_dir (default: <doc dir>/img).
+    `records` in load order (latest_records breaks ties of one day by it); `records_doc`: the appendix;
+    `rerun`: a CSBP record -> the named scenario that remeasures it (bench/scenarios.py), as a column."""
+    doc_dir = Path(doc_path).parent
+    img_dir = Path(img_dir) if img_dir is not None else doc_dir / "img"
+    latest = latest_records(records)
+    rows = headline_rows(latest)
+    appendix = Path(os.path.relpath(records_doc, doc_dir)).as_posix()
+    lines = [
+        f"# {title}",
+        "",
+        f"Generated by `{generator}` from the records in `{source}` (schema: `specforge_csbp/bench/records.py`). "
+        "Do not edit by hand. This page shows the newest measurement of each problem only: "
+        f"{len(latest)} of {len(records)} records; the others were measured on an older day (older code) or by an "
+        "earlier launch of the same configuration (`specforge_csbp/bench/latest.py`). Every record, the planner's "
+        f"predictions and the strictly side-by-side speedups: [{appendix}]({appendix}).",
+        "",
+    ]
+    if not rows:
+        lines += ["No records yet." if not records else "No CSBP records yet.", ""]
+    else:
+        lines += _headline_table(rows, rerun)
+    latest_sorted = sorted(latest, key=record_sort_key)
+    for w in sorted({r.workload for r in latest}):
+        images = plot_workload(latest_sorted, w, img_dir, headline=rows)
+        if not images:
+            continue
+        lines += [f"## {w}", ""]
+        captions = {"tokens_per_s": "tokens/s vs context", "speedup": "CSBP speedup over the best other mode",
+                    "peak_mem": "peak memory vs context"}  # fmt: skip
+        for kind in ("speedup", "tokens_per_s", "peak_mem"):
+            if kind in images:
+                rel = Path(os.path.relpath(images[kind], doc_dir)).as_posix()
+                lines.append(f"![{w}: {captions[kind]}]({rel})")
+        lines.append("")
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _headline_table(rows: list[HeadlineRow], rerun: Callable[[BenchRecord], str | None] | None) -> list[str]:
+    runs: dict[str, int] = {}
+    # problem fields that tell one workload's rows apart (anchors, ...), as columns
+    varying = sorted({name for h in rows for name in problem_fields(h.csbp)
+                      if len({format_value(problem_fields(g.csbp).get(name)) for g in rows
+                              if g.csbp.workload == h.csbp.workload}) > 1})  # fmt: skip
+    header = ["workload", "GPUs", "context", *varying, "date", "CSBP tokens/s", "CSBP peak GiB", "best other mode",
+              "its tokens/s", "its peak GiB", "CSBP / best other", "CSBP / SpecForge", "run"]  # fmt: skip
+    if rerun is not None:
+        header.append("rerun")
+    def order(h: HeadlineRow) -> tuple:
+        fields = problem_fields(h.csbp)
+        return (h.csbp.workload, h.csbp.world_size, *[format_value(fields.get(n)) for n in varying],
+                h.csbp.context_len, h.csbp.block_size, h.csbp.device)  # fmt: skip
+
+    body = []
+    runs: dict[str, int] = {}
+    for h in sorted(rows, key=order):
+        c = h.csbp
+        runs.setdefault(c.command, len(runs) + 1)
+        fields = problem_fields(c)
+        csbp_tps = format_value(c.tokens_per_s) if c.status == "ok" else c.status
+        other = h.other
+        body.append([
+            c.workload, str(c.world_size), context_label(c.context_len),
+            *[format_value(fields.get(name)) for name in varying], c.date, csbp_tps, format_value(c.peak_mem_gib),
+            h.other_mode or "—",
+            format_value(other.tokens_per_s) if other else h.other_status if h.other_mode else "—",
+            format_value(other.peak_mem_gib) if other else "—",
+            _ratio_text(h.over_other, h.other_mode, h.other_status),
+            _ratio_text(h.over_specforge, "specforge", h.specforge_status),
+            f"[{runs[c.command]}]",
+        ])  # fmt: skip
+        if rerun is not None:
+            name = rerun(c)
+            body[-1].append(f"`{name}`" if name else "—")
+    lines = [
+        "## Headline",
+        "",
+        "Per problem (workload, GPUs, context, and the problem fields shown), the fastest CSBP record of the newest "
+        "measurements against the fastest other parallel mode (`dp`, `cp`, `bp`, `torch-cp`, stock SpecForge) and "
+        "against stock SpecForge alone (one GPU; `—`: not measured for that problem). tokens/s: supervised tokens "
+        "per second of the whole job; peak GiB: peak memory per GPU, the maximum over ranks; `<mode> oom`: that "
+        "mode did not fit. Both sides ran on the problem's newest day, each mode from a fresh compile state, "
+        "not always in one launch. `run`: the CSBP record's command, listed below. `rerun`: the named scenario "
+        "that measures the row again with today's code and defaults (`python benchmarks/run_scenario.py NAME "
+        "--contexts L`, benchmarks/README.md).",
+        "",
+    ]
+    lines += _table(header, body) + [""]
+    lines += ["Runs:", ""]
+    for command, n in runs.items():
+        lines.append(f"{n}. `{command}`")
+    lines.append("")
+    return lines
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write through a temporary file and rename: a reader never sees half a page."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def write_csv(records: list[BenchRecord], path: str | Path) -> None:
@@ -307,18 +451,27 @@ def write_report(
     predictor_note: str = "",
     same_code: Callable[[BenchRecord], bool] | None = None,
     code_by_file: dict[str, str] | None = None,
+    records_path: str | Path | None = None,
+    rerun: Callable[[BenchRecord], str | None] | None = None,
 ) -> list[BenchRecord]:
-    """Load every record under `results`, write the markdown (and optionally the CSV); returns the records.
-    `code_by_file`: library digests of record files written before records carried one (load_records)."""
+    """Load every record under `results`, write the headline page to `doc_path`, every record to
+    `records_path` (default: `<doc stem>_records.md` beside it), optionally the CSV; returns the records.
+    `code_by_file`: library digests of record files written before records carried one (load_records);
+    `rerun`: see render_summary."""
     paths = results if isinstance(results, list) else [results]
     existing = [p for p in paths if Path(p).exists()]
     records = load_records(existing, code_by_file=code_by_file) if existing else []
     source = ", ".join(Path(p).as_posix().rstrip("/") + ("/" if Path(p).is_dir() else "") for p in paths)
-    text = render_markdown(records, doc_path=doc_path, img_dir=img_dir, title=title, source=source,
-                           generator=generator, predictor=predictor, predictor_note=predictor_note,
-                           same_code=same_code)  # fmt: skip
-    Path(doc_path).parent.mkdir(parents=True, exist_ok=True)
-    Path(doc_path).write_text(text)
+    doc_path = Path(doc_path)
+    records_path = Path(records_path) if records_path is not None else doc_path.with_name(
+        f"{doc_path.stem}_records{doc_path.suffix}")  # fmt: skip
+    appendix = render_markdown(records, doc_path=records_path, title=f"{title}: every record", source=source,
+                               generator=generator, predictor=predictor, predictor_note=predictor_note,
+                               same_code=same_code, plots=False, headline_doc=doc_path)  # fmt: skip
+    summary = render_summary(records, doc_path=doc_path, records_doc=records_path, img_dir=img_dir, title=title,
+                             source=source, generator=generator, rerun=rerun)  # fmt: skip
+    for path, text in ((records_path, appendix), (doc_path, summary)):
+        _write_atomic(path, text)
     if csv_path is not None:
         write_csv(records, csv_path)
     return records

@@ -1,4 +1,5 @@
-"""`specforge-csbp report`: regenerate docs/benchmarks.md (tables, speedups, plots) from benchmark records."""
+"""`specforge-csbp report`: regenerate docs/benchmarks.md (headline, plots of the newest records) and
+docs/benchmarks_records.md (every record, speedups, planner predictions) from benchmark records."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", help="regenerate the benchmark report (markdown + PNG plots) from records")
     p.add_argument("--results", nargs="+", default=["benchmarks/results"],
                    help="record files or directories (*.json lists/objects, *.jsonl lines)")
-    p.add_argument("--out", default="docs/benchmarks.md", help="markdown file to write")
+    p.add_argument("--out", default="docs/benchmarks.md", help="headline page to write (newest measurements)")
+    p.add_argument("--records-out", default=None,
+                   help="every record's page (default: <stem of --out>_records.md beside it)")
     p.add_argument("--img-dir", default=None, help="where the PNGs go (default: <dir of --out>/img)")
     p.add_argument("--csv", default=None, help="also write every record as one CSV row here")
     p.add_argument("--title", default="Benchmarks")
@@ -25,6 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="put the planner's prediction beside every ok record of WORKLOAD (model config.json)")
     p.add_argument("--profile", nargs="+", default=["h200-nominal"], metavar="[WORKLOAD=]PROFILE",
                    help="machine profile for --predict (JSON or built-in); WORKLOAD=PROFILE: that workload's own")
+    p.add_argument("--scenarios", default=None, metavar="TOML",
+                   help="named scenarios (benchmarks/scenarios.toml): the headline names each row's rerun")
     p.add_argument("--code-by-file", default=None, metavar="JSON",
                    help="{record file name: library digest} for records written before they carried `code`")
     p.set_defaults(func=run)
@@ -53,8 +58,19 @@ def run(args: argparse.Namespace) -> int:
                 + "".join(f"; for `{w}` the profile `{own_names[w]}` ({p.summary()})" for w, p in sorted(own.items()))
                 + " and the model configs " + ", ".join(f"`{w}`: `{c}`" for w, c in sorted(models.items())) + ".")
     code_by_file = json.loads(Path(args.code_by_file).read_text()) if args.code_by_file else None
+    rerun = None
+    if args.scenarios:
+        from ..bench.scenarios import load_scenarios, rerun_command
+
+        scenarios = load_scenarios(args.scenarios)
+
+        def rerun(r: BenchRecord) -> str | None:
+            anchors = (r.model_extra or {}).get("anchors")
+            return rerun_command(scenarios, r.workload, r.world_size, r.context_len, anchors)
+
     records = write_report(args.results, args.out, img_dir=args.img_dir, csv_path=args.csv, title=args.title,
-                           predictor=predictor, predictor_note=note, same_code=same_code, code_by_file=code_by_file)
+                           predictor=predictor, predictor_note=note, same_code=same_code, code_by_file=code_by_file,
+                           records_path=args.records_out, rerun=rerun)
     print(f"report: {len(records)} records -> {args.out}")
     return 0
 
