@@ -125,6 +125,14 @@ class TimedAttention:
 
     def __init__(self, inner, timer: SpanTimer):
         self.inner, self.timer, self.plan = inner, timer, inner.plan
+        self.block_size = inner.block_size
+
+    def windowed(self, window: int) -> "TimedAttention":
+        """Sliding-window layers: the inner executor's windowed sibling, timed the same way (cached)."""
+        cache = self.__dict__.setdefault("_windowed", {})
+        if window not in cache:
+            cache[window] = TimedAttention(self.inner.windowed(window), self.timer)
+        return cache[window]
 
     def __call__(self, q, k, v, *, scale=None):
         q, k, v = self.timer.edge("attention", True, q, k, v)

@@ -68,6 +68,13 @@ class ObjectiveSection(Section):
     denominator: Literal["eligible", "masked"] = "eligible"
     exclude_mask_from_softmax: bool = True
     ce_chunk_size: int = Field(4096, ge=1)
+    router_aux_loss_coef: float | None = Field(
+        None, ge=0, description="MoE load-balancing loss weight; default: the model config's "
+        "router_aux_loss_coef when config.output_router_logits, else 0"
+    )
+    router_aux_tokens: Literal["both", "clean", "corrupted"] = Field(
+        "both", description="rows of the 2L sequence the load-balancing statistics count"
+    )
 
 
 class BDLMRecipe(BaseModel):
@@ -171,4 +178,6 @@ def build_workload(recipe: BDLMRecipe) -> BDLMWorkload:
         seq_len=d.max_length,
         exclude_mask_from_softmax=o.exclude_mask_from_softmax,
         ce_chunk_size=o.ce_chunk_size,
+        router_aux_loss_coef=o.router_aux_loss_coef,
+        router_aux_tokens=o.router_aux_tokens,
     )

@@ -18,6 +18,7 @@ from torch import nn
 
 from ...objectives.convert import ConvertObjective
 from ...objectives.noise import BDLMBatch, sequence_seed
+from ...objectives.router_aux import ROUTER_AUX_TOKENS, router_aux_numerator, router_aux_rows
 from ...objectives.sft import SFTObjective
 from .adapter import BDLMModel
 from .data import TokenSource
@@ -75,6 +76,8 @@ class BDLMWorkload:
         seq_len: int,
         exclude_mask_from_softmax: bool = False,
         ce_chunk_size: int = 4096,
+        router_aux_loss_coef: float | None = None,
+        router_aux_tokens: str = "both",
     ):
         if seq_len % objective.block_size:
             raise ValueError(
@@ -83,6 +86,16 @@ class BDLMWorkload:
         self.make_model, self.objective, self.source, self.seq_len = make_model, objective, source, seq_len
         self.exclude_ids = [objective.mask_token_id] if exclude_mask_from_softmax else None
         self.ce_chunk_size = ce_chunk_size
+        if router_aux_tokens not in ROUTER_AUX_TOKENS:
+            raise ValueError(
+                f"objective.router_aux_tokens must be one of {', '.join(ROUTER_AUX_TOKENS)}; got {router_aux_tokens!r}"
+            )
+        if router_aux_loss_coef is not None and router_aux_loss_coef < 0:
+            raise ValueError(f"objective.router_aux_loss_coef must be >= 0; got {router_aux_loss_coef}")
+        self.router_aux_loss_coef, self.router_aux_tokens = router_aux_loss_coef, router_aux_tokens
+        self.aux_coef = 0.0  # resolved against the model in build_model
+        self._aux_rows: torch.Tensor | None = None
+        self._group = None
         self._attention = None
         self._model: BDLMModel | None = None
 
@@ -99,13 +112,29 @@ class BDLMWorkload:
                 f"got {self.objective.mask_token_id}"
             )
         model.backend, model.schedule = ctx.attention_backend, ctx.attention_schedule
+        self.aux_coef = self._resolve_aux_coef(model)
         self.bind(model, ctx)
         return model
+
+    def _resolve_aux_coef(self, model: BDLMModel) -> float:
+        """objective.router_aux_loss_coef, else the model's own switch: config.router_aux_loss_coef when
+        config.output_router_logits (transformers' convention); 0 for dense models."""
+        cfg = model.config
+        if self.router_aux_loss_coef is None:
+            on = model.is_moe and getattr(cfg, "output_router_logits", False)
+            return float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0) if on else 0.0
+        if self.router_aux_loss_coef > 0 and not model.is_moe:
+            raise ValueError(
+                f"objective.router_aux_loss_coef: {type(model.lm).__name__} has no mixture-of-experts router"
+            )
+        return float(self.router_aux_loss_coef)
 
     def bind(self, model: BDLMModel, ctx, attention=None) -> None:
         """Use `model` with ctx's CP group and mode (or a given executor, e.g. an instrumented one)."""
         self._attention = attention or model.attention(ctx.mode, self.seq_len, ctx.cp_group)
         self._model = model
+        self._group = getattr(ctx, "cp_group", None)
+        self._aux_rows = router_aux_rows(self._attention.plan, self.router_aux_tokens)
 
     def microbatches(self, ctx, step: int) -> Sequence[BDLMMicroBatch]:
         assert self._attention is not None, "build_model() first"
@@ -121,11 +150,25 @@ class BDLMWorkload:
         return BDLMMicroBatch(local.to(device), local.denominator)
 
     def loss_numerator(self, model: BDLMModel, batch: BDLMMicroBatch, ctx=None) -> torch.Tensor:
-        hidden = model(batch.batch.input_ids, self._attention)
+        """CE numerator of this rank's supervised rows (+ coef x the router aux numerator, MoE models:
+        objectives/router_aux.py; the trainer divides both by the same global denominator)."""
+        aux = self.aux_coef > 0
+        hidden, router = model.forward_with_router_logits(batch.batch.input_ids, self._attention, router_logits=aux)
         weight, bias = model.head()
-        return batch.batch.loss_numerator(
+        loss = batch.batch.loss_numerator(
             hidden, weight, bias, exclude_ids=self.exclude_ids, chunk_size=self.ce_chunk_size
         )
+        if aux:
+            if not router:
+                raise ValueError(
+                    f"model: {type(model.lm).__name__} returned no router logits; set the aux loss coefficient to 0"
+                )
+            top_k = int(getattr(model.config, "num_experts_per_tok"))
+            aux_num = router_aux_numerator(
+                router, self._aux_rows, batch.batch.counts.sum(1), top_k=top_k, group=self._group
+            )
+            loss = loss + self.aux_coef * aux_num.to(loss.dtype)
+        return loss
 
     def tokens_per_step(self, ctx) -> int:
         return ctx.global_batch * self.seq_len
