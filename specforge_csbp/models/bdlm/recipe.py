@@ -20,7 +20,7 @@ from ...objectives.sft import SFTObjective
 from ...training.config import ParallelConfig, Section, TrainConfig
 from .adapter import BDLMModel
 from .data import JsonlSource, SyntheticSource
-from .routing import check_routable
+from .routing import check_routable, check_windows
 from .workload import BDLMWorkload
 
 __all__ = ["BDLMRecipe", "DataSection", "ModelSection", "ObjectiveSection", "build_workload", "preflight"]
@@ -100,7 +100,13 @@ def _hf_config(model: ModelSection):
     from transformers import AutoConfig
 
     if model.pretrained is not None:
-        return AutoConfig.from_pretrained(model.pretrained)
+        try:
+            return AutoConfig.from_pretrained(model.pretrained)
+        except (OSError, ValueError) as err:
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ValueError(
+                f"model.pretrained: {model.pretrained} is not a save_pretrained directory ({first})"
+            ) from None
     cfg = dict(model.config)
     model_type = cfg.pop("model_type", None)
     if model_type is None:
@@ -126,6 +132,10 @@ def preflight(recipe: BDLMRecipe, world_size: int) -> None:
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(config)
     check_routable(lm)
+    check_windows(config, recipe.model.block_size, recipe.data.max_length)
+    coef = recipe.objective.router_aux_loss_coef
+    if coef and not any(getattr(config, f, None) for f in ("num_experts", "num_local_experts")):
+        raise ValueError(f"objective.router_aux_loss_coef: {type(lm).__name__} has no mixture-of-experts router")
     vocab = min(lm.get_input_embeddings().num_embeddings, lm.get_output_embeddings().out_features)
     if not 0 <= recipe.objective.mask_token_id < vocab:
         raise ValueError(

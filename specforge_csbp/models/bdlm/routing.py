@@ -36,6 +36,8 @@ __all__ = [
     "ROUTE_KWARG",
     "Route",
     "check_routable",
+    "check_windows",
+    "config_windows",
     "register_attention",
     "routed_attention",
 ]
@@ -166,3 +168,28 @@ def check_routable(lm: nn.Module) -> None:
     head = lm.get_output_embeddings()
     if not isinstance(head, nn.Linear):
         raise ValueError(f"model: {name} output embeddings are {type(head).__name__}, expected nn.Linear")
+
+
+def config_windows(config) -> list[int | None]:
+    """Each layer's sliding window as the config declares it (None: full attention): `layer_types` where
+    the config has them (Gemma 3, Qwen2 / Qwen3 with use_sliding_window), else `sliding_window` on every
+    layer (Mistral, Mixtral). The routed forward records what the layers actually pass
+    (`BDLMModel.layer_windows`)."""
+    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [window if t == "sliding_attention" else None for t in types]
+    if getattr(config, "use_sliding_window", None) is False:
+        return [None] * layers
+    return [window] * layers
+
+
+def check_windows(config, block_size: int, seq_len: int) -> None:
+    """One-line error when a sliding window shorter than the sequence cannot hold a corrupted block."""
+    for window in config_windows(config):
+        if window is not None and window < min(block_size, seq_len):
+            raise ValueError(
+                f"model: config.sliding_window={window} < model.block_size={block_size}; a corrupted block must "
+                f"fit in the window of a sliding layer (use model.block_size <= {window})"
+            )
