@@ -178,3 +178,25 @@ def test_pretrained_checkpoint_round_trip(name, tmp_path):
     mine, theirs = model.lm.state_dict(), back.state_dict()
     assert mine.keys() == theirs.keys()
     assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+@pytest.mark.parametrize("window, clean", [(None, "causal"), (6, "causal"), (6, "bidirectional"), (9, "causal")])
+def test_flops_count_the_visible_pairs_of_each_window(window, clean):
+    from specforge_csbp.layout.plans import bdlm_plan
+    from specforge_csbp.masks.visibility import Visibility
+    from specforge_csbp.models.bdlm.workload import _visible_pairs
+
+    plan = bdlm_plan("reference", 24, S, 1)[0]
+    dense = Visibility(plan.q_tokens, plan.kv_tokens, S, clean, window=window).dense()
+    assert _visible_pairs(24, S, clean, window) == int(dense.sum())
+
+
+def test_flops_count_active_experts_only():
+    from specforge_csbp.models.bdlm.workload import _matmul_params
+
+    model = BDLMModel.from_config(TINY_CONFIGS["qwen3_moe"], block_size=S)
+    cfg = model.config
+    attention = cfg.num_hidden_layers * (2 * 32 * 32 + 2 * 16 * 32)
+    experts = cfg.num_hidden_layers * cfg.num_experts * 3 * 32 * cfg.moe_intermediate_size
+    router = cfg.num_hidden_layers * cfg.num_experts * 32
+    assert _matmul_params(model) == attention + router + experts * cfg.num_experts_per_tok / cfg.num_experts

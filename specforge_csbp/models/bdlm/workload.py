@@ -22,6 +22,7 @@ from ...objectives.router_aux import ROUTER_AUX_TOKENS, router_aux_numerator, ro
 from ...objectives.sft import SFTObjective
 from .adapter import BDLMModel
 from .data import TokenSource
+from .routing import config_windows
 
 __all__ = ["BDLMMicroBatch", "BDLMWorkload", "bdlm_model_flops"]
 
@@ -32,36 +33,64 @@ class BDLMMicroBatch:
     denominator: float  # this rank's share of the global denominator
 
 
-def _visible_pairs(seq_len: int, block_size: int, clean_within_block: str) -> int:
-    """Attention (query, key) pairs of one 2L sequence under the visibility rule."""
-    blocks = seq_len // block_size
-    s2 = block_size * block_size
-    clean = (
-        seq_len * (seq_len + 1) // 2 if clean_within_block == "causal" else s2 * blocks * (blocks + 1) // 2
+def _visible_pairs(seq_len: int, block_size: int, clean_within_block: str, window: int | None = None) -> int:
+    """Attention (query, key) pairs of one 2L sequence under the visibility rule (with a sliding window
+    of `window` clean keys measured from each query's position; None: full attention)."""
+    pos = torch.arange(seq_len, dtype=torch.float64)
+    start = torch.div(pos, block_size, rounding_mode="floor") * block_size
+    lo = (pos - window + 1).clamp_min(0) if window is not None else torch.zeros_like(pos)
+    clean_hi = pos + 1 if clean_within_block == "causal" else start + block_size
+    clean = (clean_hi - lo).sum()
+    noisy = (block_size + (start - lo).clamp_min(0)).sum()
+    return int(clean + noisy)
+
+
+def _matmul_params(model: BDLMModel) -> float:
+    """Parameters one row multiplies with: every linear weight but the embeddings / head, with MoE experts
+    counted at top_k / num_experts (a row visits top_k experts). transformers 5 stores experts as stacked
+    [E, ...] parameters under an `experts` module, 4.x as a ModuleList of linears: both are counted here."""
+    cfg = model.config
+    embeddings = {id(model.lm.get_input_embeddings().weight), id(model.lm.get_output_embeddings().weight)}
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    top_k = getattr(cfg, "num_experts_per_tok", None)
+    in_experts: set[int] = set()
+    expert_params = 0
+    if experts and top_k:
+        for name, module in model.lm.named_modules():
+            if name.endswith("experts"):
+                for p in module.parameters():
+                    if id(p) not in in_experts and p.dim() >= 2:
+                        in_experts.add(id(p))
+                        expert_params += p.numel()
+    dense = sum(
+        m.weight.numel()
+        for m in model.lm.modules()
+        if isinstance(m, nn.Linear) and id(m.weight) not in embeddings and id(m.weight) not in in_experts
     )
-    noisy = blocks * s2 + s2 * blocks * (blocks - 1) // 2
-    return clean + noisy
+    gates = sum(  # transformers 5 routers are bare [E, H] parameters
+        m.weight.numel() for n, m in model.lm.named_modules()
+        if n.endswith("gate") and not isinstance(m, nn.Linear) and isinstance(getattr(m, "weight", None), torch.Tensor)
+    )  # fmt: skip
+    return float(dense + gates) + (expert_params * top_k / experts if in_experts else 0.0)
 
 
 def bdlm_model_flops(model: BDLMModel, *, seq_len: int, sequences: int, supervised_rows: float) -> float:
-    """Model FLOPs (fwd + bwd, no recompute) of `sequences` 2L sequences: 6 x matmul params x rows, the
-    attention pairs (4 x pairs x head_dim x heads forward, twice that backward) and the LM head on the
-    supervised rows only."""
+    """Model FLOPs (fwd + bwd, no recompute) of `sequences` 2L sequences: 6 x matmul params x rows (MoE:
+    the active experts), the visible attention pairs of each layer (its sliding window, if any; 4 x pairs
+    x head_dim x heads forward, twice that backward) and the LM head on the supervised rows only."""
     cfg = model.config
-    embeddings = {id(model.lm.get_input_embeddings().weight), id(model.lm.get_output_embeddings().weight)}
-    linear = sum(
-        m.weight.numel()
-        for m in model.lm.modules()
-        if isinstance(m, nn.Linear) and id(m.weight) not in embeddings
-    )
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    pairs = _visible_pairs(seq_len, model.block_size, model.clean_within_block)
+    windows = model.layer_windows or tuple(config_windows(cfg)) or (None,) * cfg.num_hidden_layers
+    pairs = sum(
+        _visible_pairs(seq_len, model.block_size, model.clean_within_block, w if w is not None and w < seq_len else None)
+        for w in windows
+    )
     rows = 2 * seq_len * sequences
     vocab, hidden = model.lm.get_output_embeddings().weight.shape
     return (
-        6.0 * linear * rows
-        + 12.0 * pairs * head_dim * heads * cfg.num_hidden_layers * sequences
+        6.0 * _matmul_params(model) * rows
+        + 12.0 * pairs * head_dim * heads * sequences
         + 6.0 * vocab * hidden * supervised_rows
     )
 
