@@ -43,14 +43,15 @@ def _is_moe(config) -> bool:
     return any(getattr(config, f, None) for f in ("num_experts", "num_local_experts"))
 
 
-def _load_kwargs(config, dtype: torch.dtype | None) -> dict[str, Any]:
-    """from_config / from_pretrained keywords: the dtype, and the per-expert loop for float64 MoE models
-    (transformers' default grouped matmul has no float64 kernel; the loop computes the same experts)."""
+def _load_kwargs(config, dtype: torch.dtype | None, experts: str | None = None) -> dict[str, Any]:
+    """from_config / from_pretrained keywords: the dtype, and the MoE experts kernel - `experts` if given,
+    the per-expert loop for float64 (transformers' default grouped matmul has no float64 kernel; the loop
+    computes the same experts)."""
     kwargs: dict[str, Any] = {}
     if dtype is not None:
         kwargs["dtype"] = dtype
-    if dtype == torch.float64 and _is_moe(config):
-        kwargs["experts_implementation"] = "eager"
+    if _is_moe(config) and (experts is not None or dtype == torch.float64):
+        kwargs["experts_implementation"] = experts or "eager"
     return kwargs
 
 
@@ -94,8 +95,12 @@ class BDLMModel(nn.Module):
 
     # -- construction ------------------------------------------------------------------------------
     @classmethod
-    def from_config(cls, config: Any, *, dtype: torch.dtype | None = None, **kwargs: Any) -> BDLMModel:
-        """Random weights from a transformers config or a dict with `model_type` (e.g. tiny Qwen3)."""
+    def from_config(
+        cls, config: Any, *, dtype: torch.dtype | None = None, experts_implementation: str | None = None,
+        **kwargs: Any,
+    ) -> BDLMModel:
+        """Random weights from a transformers config or a dict with `model_type` (e.g. tiny Qwen3).
+        `experts_implementation`: transformers' MoE experts kernel (None: its default)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if isinstance(config, dict):
@@ -104,7 +109,7 @@ class BDLMModel(nn.Module):
             if model_type is None:
                 raise ValueError("model.config must name its model_type (e.g. qwen3, llama)")
             config = AutoConfig.for_model(model_type, **config)
-        load = _load_kwargs(config, dtype)
+        load = _load_kwargs(config, dtype, experts_implementation)
         load.pop("dtype", None)  # from_config's dtype sets the default dtype only while building; cast below
         lm = AutoModelForCausalLM.from_config(config, **load)
         if dtype is not None:

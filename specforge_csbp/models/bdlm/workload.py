@@ -141,7 +141,6 @@ class BDLMWorkload:
                 f"got {self.objective.mask_token_id}"
             )
         model.backend, model.schedule = ctx.attention_backend, ctx.attention_schedule
-        self.aux_coef = self._resolve_aux_coef(model)
         self.bind(model, ctx)
         return model
 
@@ -162,6 +161,7 @@ class BDLMWorkload:
         """Use `model` with ctx's CP group and mode (or a given executor, e.g. an instrumented one)."""
         self._attention = attention or model.attention(ctx.mode, self.seq_len, ctx.cp_group)
         self._model = model
+        self.aux_coef = self._resolve_aux_coef(model)
         self._group = getattr(ctx, "cp_group", None)
         self._aux_rows = router_aux_rows(self._attention.plan, self.router_aux_tokens)
 
@@ -181,23 +181,26 @@ class BDLMWorkload:
     def loss_numerator(self, model: BDLMModel, batch: BDLMMicroBatch, ctx=None) -> torch.Tensor:
         """CE numerator of this rank's supervised rows (+ coef x the router aux numerator, MoE models:
         objectives/router_aux.py; the trainer divides both by the same global denominator)."""
-        aux = self.aux_coef > 0
-        hidden, router = model.forward_with_router_logits(batch.batch.input_ids, self._attention, router_logits=aux)
+        hidden, router = model.forward_with_router_logits(
+            batch.batch.input_ids, self._attention, router_logits=self.aux_coef > 0
+        )
         weight, bias = model.head()
         loss = batch.batch.loss_numerator(
             hidden, weight, bias, exclude_ids=self.exclude_ids, chunk_size=self.ce_chunk_size
         )
-        if aux:
-            if not router:
-                raise ValueError(
-                    f"model: {type(model.lm).__name__} returned no router logits; set the aux loss coefficient to 0"
-                )
-            top_k = int(getattr(model.config, "num_experts_per_tok"))
-            aux_num = router_aux_numerator(
-                router, self._aux_rows, batch.batch.counts.sum(1), top_k=top_k, group=self._group
+        return loss + self.aux_numerator(model, batch, router).to(loss.dtype)
+
+    def aux_numerator(self, model: BDLMModel, batch: BDLMMicroBatch, router: tuple) -> torch.Tensor:
+        """coef x the router's load-balancing numerator of this rank's rows (0 when the aux loss is off)."""
+        if self.aux_coef <= 0:
+            return torch.zeros((), device=batch.batch.counts.device)
+        if not router:
+            raise ValueError(
+                f"model: {type(model.lm).__name__} returned no router logits; set objective.router_aux_loss_coef=0"
             )
-            loss = loss + self.aux_coef * aux_num.to(loss.dtype)
-        return loss
+        top_k = int(getattr(model.config, "num_experts_per_tok"))
+        aux = router_aux_numerator(router, self._aux_rows, batch.batch.counts.sum(1), top_k=top_k, group=self._group)
+        return self.aux_coef * aux
 
     def tokens_per_step(self, ctx) -> int:
         return ctx.global_batch * self.seq_len
