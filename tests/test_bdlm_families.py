@@ -200,3 +200,25 @@ def test_flops_count_active_experts_only():
     experts = cfg.num_hidden_layers * cfg.num_experts * 3 * 32 * cfg.moe_intermediate_size
     router = cfg.num_hidden_layers * cfg.num_experts * 32
     assert _matmul_params(model) == attention + router + experts * cfg.num_experts_per_tok / cfg.num_experts
+
+
+@pytest.mark.parametrize("P, window", [(2, 6), (3, 5), (4, 9)])
+def test_clean_keys_needed_elsewhere_match_the_rule(P, window):
+    """The rows a windowed CSBP layer would have to share are exactly the clean keys other ranks' queries
+    see under the windowed rule - and with dual-end block ownership that is nearly the whole shard."""
+    from specforge_csbp.layout.plans import bdlm_plan, clean_keys_needed_elsewhere
+    from specforge_csbp.layout.tokens import CLEAN
+    from specforge_csbp.masks.visibility import Visibility
+
+    plans = bdlm_plan("csbp", 40, S, P)
+    needed = clean_keys_needed_elsewhere(plans, window)
+    for r, plan in enumerate(plans):
+        seen = torch.zeros(len(plan.kv_tokens), dtype=torch.bool)
+        for o, other in enumerate(plans):
+            if o != r:
+                seen |= Visibility(other.q_tokens, plan.kv_tokens, S, window=window).dense().any(0)
+        assert torch.equal(needed[r], seen & (plan.kv_tokens.kind == CLEAN))
+    big = bdlm_plan("csbp", 65536, 32, 4)
+    share = clean_keys_needed_elsewhere(big, 512)
+    fraction = sum(int(m.sum()) for m in share) / sum(int((p.kv_tokens.kind == CLEAN).sum()) for p in big)
+    assert fraction > 0.99
