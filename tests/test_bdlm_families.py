@@ -222,3 +222,27 @@ def test_clean_keys_needed_elsewhere_match_the_rule(P, window):
     share = clean_keys_needed_elsewhere(big, 512)
     fraction = sum(int(m.sum()) for m in share) / sum(int((p.kv_tokens.kind == CLEAN).sum()) for p in big)
     assert fraction > 0.99
+
+
+def test_train_bdlm_moe_checkpoint_continues_as_pretrained(tmp_path, capsys):
+    """train-bdlm on the tiny Qwen3-MoE conversion recipe (one rank, aux loss on) writes a
+    save_pretrained checkpoint; a new float64 run starts from it as model.pretrained (the per-expert loop
+    replaces the grouped matmul once the trainer casts to float64)."""
+    import json
+    from pathlib import Path
+
+    from specforge_csbp.cli.main import main
+
+    recipe = str(Path(__file__).resolve().parents[1] / "examples" / "bdlm_convert_qwen3_moe_tiny.yaml")
+    first = tmp_path / "first"
+    one = ["parallel.world_size=1", "parallel.cp_degree=1"]  # no process start (CSBP: test_bdlm_exact.py)
+    assert main(["train-bdlm", "-c", recipe, *one, "train.steps=2", "train.warmup_steps=0",
+                 f"train.output_dir={first}", "train.progress=false"]) == 0  # fmt: skip
+    ckpt = first / "step_00000002"
+    assert (ckpt / "config.json").exists() and list(ckpt.glob("*.safetensors"))
+    second = tmp_path / "second"
+    assert main(["train-bdlm", "-c", recipe, "model.config=null", f"model.pretrained={ckpt}",
+                 *one, "train.precision=float64", "train.steps=1",
+                 "train.warmup_steps=0", f"train.output_dir={second}", "train.progress=false"]) == 0  # fmt: skip
+    (line,) = (second / "log.jsonl").read_text().splitlines()
+    assert 0 < json.loads(line)["loss"] < 20
