@@ -40,9 +40,11 @@ ROUTER_AUX_TOKENS = ("both", "clean", "corrupted")
 def router_aux_rows(plan, tokens: str) -> torch.Tensor:
     """bool [R]: this rank's rows (plan.q_rows order) that enter the load-balancing statistics."""
     if tokens not in ROUTER_AUX_TOKENS:
-        raise ValueError(f"objective.router_aux_tokens must be one of {', '.join(ROUTER_AUX_TOKENS)}; got {tokens!r}")
+        allowed = ", ".join(ROUTER_AUX_TOKENS)
+        raise ValueError(f"objective.router_aux_tokens must be one of {allowed}; got {tokens!r}")
     kind = plan.q_tokens.kind
-    keep = {"both": (kind == CLEAN) | (kind == NOISY), "clean": kind == CLEAN, "corrupted": kind == NOISY}[tokens]
+    clean, noisy = kind == CLEAN, kind == NOISY
+    keep = {"both": clean | noisy, "clean": clean, "corrupted": noisy}[tokens]
     return keep & plan.q_primary
 
 

@@ -130,7 +130,9 @@ class ShardedAttention:
         settings, the visibility rule's window on top (a model's sliding-window layers). It gathers the
         same clean K/V as the full executor and masks the keys outside the window."""
         if window not in self._windowed:
-            self._windowed[window] = ShardedAttention(self.plan, self.block_size, window=window, **self._settings)
+            self._windowed[window] = ShardedAttention(
+                self.plan, self.block_size, window=window, **self._settings
+            )
         return self._windowed[window]
 
     @property

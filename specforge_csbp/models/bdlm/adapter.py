@@ -124,7 +124,8 @@ class BDLMModel(nn.Module):
         try:
             config = AutoConfig.from_pretrained(path)
         except (OSError, ValueError) as err:
-            raise ValueError(f"model.pretrained: {path} is not a transformers model directory ({err})") from None
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ValueError(f"model.pretrained: {path} is not a save_pretrained directory ({first})") from None
         lm = AutoModelForCausalLM.from_pretrained(path, **_load_kwargs(config, dtype))
         return cls(lm, **kwargs)
 

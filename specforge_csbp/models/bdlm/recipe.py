@@ -135,7 +135,8 @@ def preflight(recipe: BDLMRecipe, world_size: int) -> None:
     check_windows(config, recipe.model.block_size, recipe.data.max_length)
     coef = recipe.objective.router_aux_loss_coef
     if coef and not any(getattr(config, f, None) for f in ("num_experts", "num_local_experts")):
-        raise ValueError(f"objective.router_aux_loss_coef: {type(lm).__name__} has no mixture-of-experts router")
+        name = type(lm).__name__
+        raise ValueError(f"objective.router_aux_loss_coef: {name} has no mixture-of-experts router")
     vocab = min(lm.get_input_embeddings().num_embeddings, lm.get_output_embeddings().out_features)
     if not 0 <= recipe.objective.mask_token_id < vocab:
         raise ValueError(

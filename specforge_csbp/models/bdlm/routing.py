@@ -48,7 +48,7 @@ ROUTE_KWARG = "csbp_route"
 # Layer types the rule does not model, and why (config.layer_types; anything else unknown is refused too).
 ROUTABLE_LAYER_TYPES = ("full_attention", "sliding_attention")
 _UNROUTABLE_LAYER_TYPES = {
-    "linear_attention": "a recurrent state instead of softmax attention over keys (no visibility mask applies)",
+    "linear_attention": "a recurrent state instead of softmax attention over keys (no mask applies)",
     "mamba": "a state-space recurrence, not attention",
     "conv": "a short convolution, not attention",
     "chunked_attention": "chunk-local attention (keys of the query's own chunk only) is not built",
@@ -81,12 +81,12 @@ class Route:
             return self.attention
         windowed = getattr(self.attention, "windowed", None)
         if windowed is None:
-            raise ValueError(f"model: {module} has sliding_window={window}, but the executor has no windowed form")
+            raise ValueError(f"model: {module} has sliding_window={window}; the executor has no windowed form")
         block = self.attention.block_size
         if window < block:
             raise ValueError(
-                f"model: {module} has sliding_window={window} < model.block_size={block}; a corrupted block must "
-                f"fit in the window (use model.block_size <= {window})"
+                f"model: {module} has sliding_window={window} < model.block_size={block}; a corrupted block "
+                f"must fit in the window (use model.block_size <= {window})"
             )
         return windowed(window)
 
@@ -155,7 +155,8 @@ def check_routable(lm: nn.Module) -> None:
             raise ValueError(f"model: {name} config.{field}={value} applies {what}; cannot be routed")
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError(
-            f"model: {name} config.use_bidirectional_attention=True (an encoder); only causal LMs can be routed"
+            f"model: {name} config.use_bidirectional_attention=True (an encoder); "
+            "only causal LMs can be routed"
         )
     layer_types = getattr(config, "layer_types", None) or []
     other = sorted({t for t in layer_types if t not in ROUTABLE_LAYER_TYPES})
@@ -190,6 +191,6 @@ def check_windows(config, block_size: int, seq_len: int) -> None:
     for window in config_windows(config):
         if window is not None and window < min(block_size, seq_len):
             raise ValueError(
-                f"model: config.sliding_window={window} < model.block_size={block_size}; a corrupted block must "
-                f"fit in the window of a sliding layer (use model.block_size <= {window})"
+                f"model: config.sliding_window={window} < model.block_size={block_size}; a corrupted block "
+                f"must fit in the window of a sliding layer (use model.block_size <= {window})"
             )

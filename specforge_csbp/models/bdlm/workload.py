@@ -69,7 +69,8 @@ def _matmul_params(model: BDLMModel) -> float:
     )
     gates = sum(  # transformers 5 routers are bare [E, H] parameters
         m.weight.numel() for n, m in model.lm.named_modules()
-        if n.endswith("gate") and not isinstance(m, nn.Linear) and isinstance(getattr(m, "weight", None), torch.Tensor)
+        if n.endswith("gate") and not isinstance(m, nn.Linear)
+        and isinstance(getattr(m, "weight", None), torch.Tensor)
     )  # fmt: skip
     return float(dense + gates) + (expert_params * top_k / experts if in_experts else 0.0)
 
@@ -83,7 +84,7 @@ def bdlm_model_flops(model: BDLMModel, *, seq_len: int, sequences: int, supervis
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     windows = model.layer_windows or tuple(config_windows(cfg)) or (None,) * cfg.num_hidden_layers
     pairs = sum(
-        _visible_pairs(seq_len, model.block_size, model.clean_within_block, w if w is not None and w < seq_len else None)
+        _visible_pairs(seq_len, model.block_size, model.clean_within_block, w if w and w < seq_len else None)
         for w in windows
     )
     rows = 2 * seq_len * sequences
@@ -116,9 +117,8 @@ class BDLMWorkload:
         self.exclude_ids = [objective.mask_token_id] if exclude_mask_from_softmax else None
         self.ce_chunk_size = ce_chunk_size
         if router_aux_tokens not in ROUTER_AUX_TOKENS:
-            raise ValueError(
-                f"objective.router_aux_tokens must be one of {', '.join(ROUTER_AUX_TOKENS)}; got {router_aux_tokens!r}"
-            )
+            allowed = ", ".join(ROUTER_AUX_TOKENS)
+            raise ValueError(f"objective.router_aux_tokens must be one of {allowed}; got {router_aux_tokens!r}")
         if router_aux_loss_coef is not None and router_aux_loss_coef < 0:
             raise ValueError(f"objective.router_aux_loss_coef must be >= 0; got {router_aux_loss_coef}")
         self.router_aux_loss_coef, self.router_aux_tokens = router_aux_loss_coef, router_aux_tokens
@@ -196,10 +196,12 @@ class BDLMWorkload:
             return torch.zeros((), device=batch.batch.counts.device)
         if not router:
             raise ValueError(
-                f"model: {type(model.lm).__name__} returned no router logits; set objective.router_aux_loss_coef=0"
+                f"model: {type(model.lm).__name__} returned no router logits; "
+                "set objective.router_aux_loss_coef=0"
             )
         top_k = int(getattr(model.config, "num_experts_per_tok"))
-        aux = router_aux_numerator(router, self._aux_rows, batch.batch.counts.sum(1), top_k=top_k, group=self._group)
+        counts = batch.batch.counts.sum(1)  # this rank's share of each sequence's denominator count
+        aux = router_aux_numerator(router, self._aux_rows, counts, top_k=top_k, group=self._group)
         return self.aux_coef * aux
 
     def tokens_per_step(self, ctx) -> int:
