@@ -246,3 +246,28 @@ def test_train_bdlm_moe_checkpoint_continues_as_pretrained(tmp_path, capsys):
                  "train.warmup_steps=0", f"train.output_dir={second}", "train.progress=false"]) == 0  # fmt: skip
     (line,) = (second / "log.jsonl").read_text().splitlines()
     assert 0 < json.loads(line)["loss"] < 20
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_moe"])
+def test_activation_checkpointing_keeps_windows_and_router_aux(name):
+    """The recompute re-runs windowed layers and the router (aux loss on): same loss and gradients."""
+    import types
+
+    def run(checkpointing: bool):
+        torch.manual_seed(0)
+        model = BDLMModel.from_config(TINY_CONFIGS[name], block_size=S, backend="dense")
+        if checkpointing:
+            model.enable_activation_checkpointing()
+        model.train()
+        workload = BDLMWorkload(make_model=lambda: model, objective=SFTObjective(S, MASK, VOCAB), source=_Source(),
+                                seq_len=L)  # fmt: skip
+        ctx = types.SimpleNamespace(mode="reference", cp_group=None, attention_backend="dense",
+                                    attention_schedule=None)  # fmt: skip
+        workload.build_model(ctx)
+        loss = workload.loss_numerator(model, workload.microbatch([0, 1], [1, 2], torch.device("cpu")))
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, workload.aux_coef
+
+    (l0, g0, c0), (l1, g1, c1) = run(False), run(True)
+    assert c0 == c1 == (0.05 if name == "qwen3_moe" else 0.0)
+    assert torch.equal(l0, l1) and all(torch.allclose(g0[k], g1[k], rtol=0, atol=1e-6) for k in g0)
