@@ -125,6 +125,14 @@ class TimedAttention:
 
     def __init__(self, inner, timer: SpanTimer):
         self.inner, self.timer, self.plan = inner, timer, inner.plan
+        self.block_size = inner.block_size
+
+    def windowed(self, window: int) -> "TimedAttention":
+        """Sliding-window layers: the inner executor's windowed sibling, timed the same way (cached)."""
+        cache = self.__dict__.setdefault("_windowed", {})
+        if window not in cache:
+            cache[window] = TimedAttention(self.inner.windowed(window), self.timer)
+        return cache[window]
 
     def __call__(self, q, k, v, *, scale=None):
         q, k, v = self.timer.edge("attention", True, q, k, v)
@@ -153,10 +161,14 @@ class TimedWorkload(BDLMWorkload):
         self.timer = timer
 
     def loss_numerator(self, model, batch, ctx=None):
-        hidden = self.timer.edge("loss", True, model(batch.batch.input_ids, self._attention))
+        hidden, router = model.forward_with_router_logits(
+            batch.batch.input_ids, self._attention, router_logits=self.aux_coef > 0
+        )
+        hidden = self.timer.edge("loss", True, hidden)
         weight, bias = model.head()
         num = batch.batch.loss_numerator(hidden, weight, bias, exclude_ids=self.exclude_ids,
                                          chunk_size=self.ce_chunk_size)  # fmt: skip
+        num = num + self.aux_numerator(model, batch, router).to(num.dtype)  # MoE: the router's aux loss
         return self.timer.edge("loss", False, num)
 
 
@@ -344,11 +356,22 @@ def run_point(
 # -- driver ----------------------------------------------------------------------------------------------
 def _build(args, device) -> tuple[BDLMModel, torch.optim.Optimizer]:
     torch.manual_seed(args.seed)
-    config = dict(TINY_CONFIGS["qwen3"]) if args.smoke else dict(QWEN3_1_7B)
+    if args.model_config:  # a transformers config (with model_type), e.g. benchmarks/configs/gemma3-1b-shape.json
+        config = json.loads(Path(args.model_config).read_text())
+        if args.smoke:  # the same family at tiny width, one sliding + one full layer when it has both kinds
+            config.update({k: v for k, v in SMOKE_SHAPES.items() if k in config})
+            config["num_hidden_layers"] = 2
+            if "layer_types" in config:
+                config["layer_types"] = sorted(set(config["layer_types"]), reverse=True)[:2] * (
+                    2 // len(set(config["layer_types"]))
+                )
+    else:
+        config = dict(TINY_CONFIGS["qwen3"]) if args.smoke else dict(QWEN3_1_7B)
     with torch.device(device):  # initialise on the device (a 1.7B init on the CPU takes minutes)
         model = BDLMModel.from_config(
-            config, dtype=torch.float32, block_size=args.block_size, backend=args.backend
-        )
+            config, dtype=torch.float32, block_size=args.block_size, backend=args.backend,
+            experts_implementation=args.experts_implementation,
+        )  # fmt: skip
     for t in list(model.parameters()) + list(model.buffers()):
         dist.broadcast(t.data, src=0)
     if args.checkpointing:
@@ -420,6 +443,11 @@ def _rank_main(rank: int, world: int, args) -> None:
 
 OBJECTIVES = {"sft": SFTObjective, "convert": ConvertObjective}
 
+# --smoke with --model-config: the config's family and layer types at tiny width (2 layers kept as listed)
+SMOKE_SHAPES = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8,
+                    sliding_window=8, num_experts=4, num_experts_per_tok=2, max_position_embeddings=1024)  # fmt: skip
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -451,13 +479,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--timeout-s", type=float, default=900.0, help="collective timeout")
     p.add_argument("--smoke", action="store_true", help="tiny Qwen3 on 2 CPU gloo ranks, float32 (a test)")
+    p.add_argument("--model-config", default=None,
+                   help="a transformers config JSON with model_type (default: Qwen3-1.7B shapes)")
+    p.add_argument("--experts-implementation", default=None,
+                   help="MoE experts kernel passed to transformers (e.g. eager, grouped_mm; default: its own)")
     args = p.parse_args(argv)
     if args.smoke:
         args.contexts = [c for c in args.contexts if c <= 64] or [32, 40]
         args.block_size, args.steps, args.warmup = 4, 1, 1
         args.backend, args.ce_chunk_size = "dense", 16
     args.autocast = not args.smoke
-    args.model_name = "qwen3-tiny" if args.smoke else "Qwen3-1.7B-shapes"
+    if args.model_config:
+        args.model_name = Path(args.model_config).stem + ("-tiny" if args.smoke else "")
+    else:
+        args.model_name = "qwen3-tiny" if args.smoke else "Qwen3-1.7B-shapes"
     return args
 
 

@@ -49,3 +49,20 @@ def test_bench_smoke_writes_records_without_pydantic(tmp_path):
         assert ("scaling_efficiency" in extra) == (mode != "reference")
         assert extra["code"] == library_digest()  # the library code that ran (bench/provenance.py)
     assert records["dp"].tokens_per_s > 0 and "Qwen3" not in records["dp"].model_extra["model"]
+
+
+def test_bench_smoke_runs_the_gpu_model_configs(tmp_path):
+    """The Gemma-3 and Qwen3-MoE configs of the GPU runs, at tiny width on CPU: sliding + full layers, the
+    router's aux loss on (the config's output_router_logits), one mode each."""
+    for name, mode in (("gemma3-1b-shape", "csbp"), ("qwen3-moe-3b-a0.7b-shape", "bp")):
+        out = tmp_path / f"{name}.jsonl"
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / "bdlm_bench.py"), "--smoke", "--model-config",
+             str(ROOT / "benchmarks" / "configs" / f"{name}.json"), "--modes", mode, "--contexts", "32",
+             "--out", str(out)],
+            check=False, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (r,) = load_records(out)
+        assert r.status == "ok" and r.mode == mode and r.model_extra["model"] == f"{name}-tiny"
+        assert r.tokens_per_s > 0 and r.model_extra["attention_ms"] > 0

@@ -42,6 +42,7 @@ def _cli_error(capsys, *args: str) -> str:
         ("objective.kind=dpo", "objective.kind: Input should be 'sft' or 'convert'"),
         ("train.lr", "override 'train.lr' must look like section.field=value"),
         ("trainlr=1", "trainlr: Extra inputs are not permitted"),
+        ("objective.router_aux_tokens=all", "objective.router_aux_tokens: Input should be 'both', 'clean' or"),
     ],
 )
 def test_cli_one_line_errors(capsys, override, expected):
@@ -89,9 +90,12 @@ def test_unroutable_models_are_named():
             BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=4)), block_size=4
         )
     with pytest.raises(
-        ValueError, match=r"model: Qwen3ForCausalLM config.layer_types has \['sliding_attention'\]"
+        ValueError, match=r"model: Qwen3ForCausalLM config.layer_types has \['linear_attention'\]: a recurrent state"
     ):
-        BDLMModel(_tiny(use_sliding_window=True, sliding_window=8, max_window_layers=0), block_size=4)
+        BDLMModel(_tiny(layer_types=["linear_attention", "full_attention"]), block_size=4)
+    with pytest.raises(ValueError, match="config.use_bidirectional_attention=True"):
+        BDLMModel(_tiny("gemma3", use_bidirectional_attention=True), block_size=4)
+    BDLMModel(_tiny(use_sliding_window=True, sliding_window=8, max_window_layers=0), block_size=4)  # routable
     with pytest.raises(ValueError, match="model.block_size must be >= 1"):
         BDLMModel(_tiny(), block_size=0)
     with pytest.raises(ValueError, match="model.clean_within_block must be one of causal, bidirectional"):
@@ -99,7 +103,7 @@ def test_unroutable_models_are_named():
 
 
 def test_runtime_route_checks():
-    """A layer that bypasses the interface, or a sliding window shorter than the sequence, is caught."""
+    """A layer that bypasses the interface, or a sliding window shorter than a block, is caught."""
     model = BDLMModel(_tiny(), block_size=4)
     attn = model.attention("reference", 16)
     ids = torch.zeros(1, 32, dtype=torch.long)
@@ -111,7 +115,11 @@ def test_runtime_route_checks():
         model(ids, attn)
     mistral = BDLMModel(_tiny("llama", model_type="mistral", sliding_window=8, attention_bias=False,
                               mlp_bias=False), block_size=4)  # fmt: skip
-    with pytest.raises(ValueError, match="uses sliding_window=8 < seq_len=16; cannot be routed"):
-        mistral(ids, mistral.attention("reference", 16))
+    mistral(ids, mistral.attention("reference", 16))  # every layer windowed (8 < 16): routed
+    assert mistral.layer_windows == (8, 8)
+    narrow = BDLMModel(_tiny("llama", model_type="mistral", sliding_window=3, attention_bias=False,
+                             mlp_bias=False), block_size=4)  # fmt: skip
+    with pytest.raises(ValueError, match="has sliding_window=3 < model.block_size=4; a corrupted block must fit"):
+        narrow(ids, narrow.attention("reference", 16))
     with pytest.raises(ValueError, match=r"input_ids must be \[batch, 32\]"):
         model(torch.zeros(1, 30, dtype=torch.long), attn)

@@ -79,6 +79,15 @@ CASES: dict[str, tuple[list[str], str | None, str]] = {
                       "but {out}/step_00000002 was trained with 2; a resumed run must keep the global batch")),
     "resume-steps": (ONE + ["train.steps=1", "train.warmup_steps=0"], "checkpoint",
                      "train.steps: 1 is below the step 2 of the checkpoint {out}/step_00000002; it must be >= 2"),
+    "window-below-block": (["model.config.use_sliding_window=true", "model.config.sliding_window=4",
+                            "model.config.max_window_layers=0"], None,
+                           "model: config.sliding_window=4 < model.block_size=8; a corrupted block must fit"),
+    "unroutable-layer-type": (["model.config.layer_types=[linear_attention,full_attention]"], None,
+                              "model: Qwen3ForCausalLM config.layer_types has ['linear_attention']: a recurrent state"),
+    "router-aux-dense": (["objective.router_aux_loss_coef=0.01"], None,
+                         "objective.router_aux_loss_coef: Qwen3ForCausalLM has no mixture-of-experts router"),
+    "pretrained-missing": (["model.config=null", "model.pretrained={tmp}/nope"], None,
+                           "model.pretrained: {tmp}/nope is not a save_pretrained directory"),
 }  # fmt: skip
 
 

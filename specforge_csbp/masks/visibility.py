@@ -27,16 +27,35 @@ For L = 8, S = 4 (two blocks), causal clean rule; rows are queries, columns keys
 A DFlash draft block is a run of NOISY tokens with block = anchor index and start = anchor position, and
 the context is CLEAN tokens without queries: the same rule gives "context < anchor + own block".
 
-Two optional restrictions (both off by default) serve sliding-window drafter layers, still one rule:
-- window W: a query at position p sees clean keys only at positions > p - W (W keys up to p itself);
-  for a draft slot at p = anchor + j that is the context range [p - W + 1, anchor). Noisy keys are not
-  windowed (a block never exceeds the window);
+Two optional restrictions (both off by default) serve sliding-window layers (drafter and BDLM), still
+one rule:
+- window W: a query at position p sees clean keys only at positions > p - W (W keys up to p itself),
+  measured from the QUERY's own position, for clean and noisy queries alike; for a draft slot at
+  p = anchor + j that is the context range [p - W + 1, anchor). Noisy keys are not windowed (a block
+  never exceeds the window: S <= W is required);
 - noisy_causal: a noisy query sees the noisy keys of its own block only at positions <= its own.
 For a draft block at anchor a = 6 (S = 3) with W = 4, rows = slots, columns = context 0..5 | own block:
 
     slot 0 (p=6)   . . . # # #  | # . .       (noisy_causal)
     slot 1 (p=7)   . . . . # #  | # # .
     slot 2 (p=8)   . . . . . #  | # # #
+
+In BDLM training (sliding layers of Gemma 3, Qwen2, Mistral...) that reads, for L = 12, S = 4, W = 6,
+causal clean rule (rows = queries at positions 0..11, columns = clean keys 0..11 | own corrupted block):
+
+                      clean keys 0..11              own block
+    clean   p=5       # # # # # # . . . . . .
+            p=9       . . . . # # # # # # . .       (clean: p - W < pos <= p, the causal window)
+    corrupt b2 p=8    . . . # # # # # . . . .    |  # # # #   (clean pos in (p - W, start = 8))
+               p=9    . . . . # # # # . . . .    |  # # # #
+               p=11   . . . . . . # # . . . .    |  # # # #
+
+  The window of a corrupted query is measured from its own position p, not from its block start: the
+  served model denoises block b with the clean blocks < b in its KV cache, and its sliding layer lets
+  the query at p attend to cached keys with p - pos < W (transformers' sliding mask and flash-attention
+  window alike) plus its own block. Training the corrupted block on that same window is what makes the
+  trained denoiser the one the served model runs (tests/test_bdlm_families.py checks it against
+  transformers' own sliding-window forward).
 
 Evaluated as ranges. Every key gets one coordinate x and every query two half-open ranges, so a mask
 entry is four integer compares (int32 inside FlexAttention's mask_mod, which runs on every element of a

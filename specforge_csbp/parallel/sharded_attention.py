@@ -96,6 +96,12 @@ class ShardedAttention:
             if group_size != plan.world_size:
                 raise ValueError(f"world_size: plan has {plan.world_size} ranks, process group has {group_size}")
         self.plan, self.group, self.backend, self.schedule = plan, group, backend, schedule
+        self.block_size, self.window = block_size, window
+        # everything but the window, for `windowed` siblings (sliding-window layers of the same model)
+        self._settings = dict(clean_within_block=clean_within_block, noisy_causal=noisy_causal, group=group,
+                              backend=backend, communicate=communicate, stats=stats, schedule=schedule,
+                              regather=regather, pack_gqa=pack_gqa)  # fmt: skip
+        self._windowed: dict[int, ShardedAttention] = {}
         self.regather = regather  # free gathered K/V after forward; gather again in backward
         self.seam = dict(backend=backend, pack_gqa=pack_gqa)  # GQA head packing: None = the seam decides
         rule = dict(clean_within_block=clean_within_block, window=window, noisy_causal=noisy_causal)
@@ -118,6 +124,16 @@ class ShardedAttention:
                 r: Visibility(plan.q_tokens, plan.segment_tokens(r), block_size, **rule)
                 for r in range(plan.world_size) if r != plan.rank
             }  # fmt: skip
+
+    def windowed(self, window: int) -> ShardedAttention:
+        """This executor with a sliding window of `window` clean keys (cached): the same plan, gather and
+        settings, the visibility rule's window on top (a model's sliding-window layers). It gathers the
+        same clean K/V as the full executor and masks the keys outside the window."""
+        if window not in self._windowed:
+            self._windowed[window] = ShardedAttention(
+                self.plan, self.block_size, window=window, **self._settings
+            )
+        return self._windowed[window]
 
     @property
     def visibilities(self) -> tuple[Visibility, ...]:

@@ -38,6 +38,23 @@ def _set_attention(lm: nn.Module, name: str) -> None:
             config._attn_implementation = name
 
 
+def _is_moe(config) -> bool:
+    """Mixture-of-experts MLPs (Qwen3-MoE `num_experts`, Mixtral `num_local_experts`)."""
+    return any(getattr(config, f, None) for f in ("num_experts", "num_local_experts"))
+
+
+def _load_kwargs(config, dtype: torch.dtype | None, experts: str | None = None) -> dict[str, Any]:
+    """from_config / from_pretrained keywords: the dtype, and the MoE experts kernel - `experts` if given,
+    the per-expert loop for float64 (transformers' default grouped matmul has no float64 kernel; the loop
+    computes the same experts)."""
+    kwargs: dict[str, Any] = {}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    if _is_moe(config) and (experts is not None or dtype == torch.float64):
+        kwargs["experts_implementation"] = experts or "eager"
+    return kwargs
+
+
 def _positions_seen(plan) -> int:
     """1 + the largest position among this rank's keys and gathered keys (the sequence length for CP/CSBP)."""
     pos = torch.cat([plan.kv_tokens.pos, plan.remote_kv_tokens.pos, torch.zeros(1, dtype=torch.long)])
@@ -74,11 +91,16 @@ class BDLMModel(nn.Module):
         self.schedule = schedule  # ShardedAttention's (None: fused)
         self._attention: dict[Any, ShardedAttention] = {}
         self._seq_lens: weakref.WeakKeyDictionary[ShardedAttention, int] = weakref.WeakKeyDictionary()
+        self.layer_windows: tuple[int | None, ...] | None = None  # seen in the last forward
 
     # -- construction ------------------------------------------------------------------------------
     @classmethod
-    def from_config(cls, config: Any, *, dtype: torch.dtype | None = None, **kwargs: Any) -> BDLMModel:
-        """Random weights from a transformers config or a dict with `model_type` (e.g. tiny Qwen3)."""
+    def from_config(
+        cls, config: Any, *, dtype: torch.dtype | None = None, experts_implementation: str | None = None,
+        **kwargs: Any,
+    ) -> BDLMModel:
+        """Random weights from a transformers config or a dict with `model_type` (e.g. tiny Qwen3).
+        `experts_implementation`: transformers' MoE experts kernel (None: its default)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if isinstance(config, dict):
@@ -87,22 +109,35 @@ class BDLMModel(nn.Module):
             if model_type is None:
                 raise ValueError("model.config must name its model_type (e.g. qwen3, llama)")
             config = AutoConfig.for_model(model_type, **config)
-        lm = AutoModelForCausalLM.from_config(config)
+        load = _load_kwargs(config, dtype, experts_implementation)
+        load.pop("dtype", None)  # from_config's dtype sets the default dtype only while building; cast below
+        lm = AutoModelForCausalLM.from_config(config, **load)
         if dtype is not None:
             lm = lm.to(dtype)
         return cls(lm, **kwargs)
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: torch.dtype | None = None, **kwargs: Any) -> BDLMModel:
-        from transformers import AutoModelForCausalLM
+        """Weights and config from a `save_pretrained` directory (any family `from_config` takes)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        lm = AutoModelForCausalLM.from_pretrained(path, **({"dtype": dtype} if dtype is not None else {}))
+        try:
+            config = AutoConfig.from_pretrained(path)
+        except (OSError, ValueError) as err:
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ValueError(f"model.pretrained: {path} is not a save_pretrained directory ({first})") from None
+        lm = AutoModelForCausalLM.from_pretrained(path, **_load_kwargs(config, dtype))
         return cls(lm, **kwargs)
 
     # -- properties ----------------------------------------------------------------------------------
     @property
     def config(self):
         return self.lm.config
+
+    @property
+    def is_moe(self) -> bool:
+        """The MLPs are mixtures of experts with a router (Qwen3-MoE, Mixtral-style)."""
+        return _is_moe(self.lm.config)
 
     @property
     def vocab_size(self) -> int:
@@ -138,6 +173,16 @@ class BDLMModel(nn.Module):
             self._seq_lens[self._attention[key]] = seq_len
         return self._attention[key]
 
+    def _fit_experts(self) -> None:
+        """float64 MoE weights (exactness checks, e.g. `train.precision: float64` casting after the build):
+        transformers' grouped-matmul experts have no float64 kernel, its per-expert loop computes the same."""
+        if self.lm.get_input_embeddings().weight.dtype != torch.float64:
+            return
+        if getattr(self.lm.config, "_experts_implementation", "eager") not in (None, "eager"):
+            setter = getattr(self.lm, "set_experts_implementation", None)
+            if setter is not None:
+                setter("eager")
+
     # -- forward ---------------------------------------------------------------------------------------
     def clear_attention_cache(self) -> None:
         self._attention.clear()
@@ -146,16 +191,26 @@ class BDLMModel(nn.Module):
         """input_ids [B, N_local] (this rank's rows, in plan.q_rows order) -> final hidden [B, N_local, H].
 
         `attention` is this rank's executor (`attention()`), or anything with its `.plan` and signature."""
+        return self.forward_with_router_logits(input_ids, attention, router_logits=False)[0]
+
+    def forward_with_router_logits(
+        self, input_ids: torch.Tensor, attention: ShardedAttention, *, router_logits: bool = True
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """(final hidden [B, N_local, H], one router-logit tensor [B * N_local, E] per MoE layer - empty
+        for dense models or router_logits=False)."""
         plan = attention.plan
         if input_ids.dim() != 2 or input_ids.shape[1] != len(plan.q_rows):
             raise ValueError(
                 f"input_ids must be [batch, {len(plan.q_rows)}] (this rank's rows); "
                 f"got {tuple(input_ids.shape)}"
             )
+        if self.is_moe:
+            self._fit_experts()
         route = Route(attention, seq_len=self._seq_lens.get(attention) or _positions_seen(plan))
         positions = plan.q_tokens.pos.to(input_ids.device)[None].expand(input_ids.shape[0], -1)
+        extra = {"output_router_logits": True} if router_logits and self.is_moe else {}
         out = self.lm.base_model(
-            input_ids=input_ids, position_ids=positions, use_cache=False, **{ROUTE_KWARG: route}
+            input_ids=input_ids, position_ids=positions, use_cache=False, **extra, **{ROUTE_KWARG: route}
         )
         layers = getattr(self.lm.config, "num_hidden_layers", None)
         if layers is not None and route.calls != layers:
@@ -163,4 +218,6 @@ class BDLMModel(nn.Module):
                 f"model: {type(self.lm).__name__} routed {route.calls} of {layers} attention layers through "
                 f"{ATTENTION_NAME!r}; its attention cannot be routed"
             )
-        return out.last_hidden_state
+        self.layer_windows = tuple(route.windows)  # per layer: its sliding window, None for full attention
+        logits = tuple(getattr(out, "router_logits", None) or ()) if extra else ()
+        return out.last_hidden_state, logits

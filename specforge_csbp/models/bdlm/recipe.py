@@ -20,7 +20,7 @@ from ...objectives.sft import SFTObjective
 from ...training.config import ParallelConfig, Section, TrainConfig
 from .adapter import BDLMModel
 from .data import JsonlSource, SyntheticSource
-from .routing import check_routable
+from .routing import check_routable, check_windows
 from .workload import BDLMWorkload
 
 __all__ = ["BDLMRecipe", "DataSection", "ModelSection", "ObjectiveSection", "build_workload", "preflight"]
@@ -68,6 +68,13 @@ class ObjectiveSection(Section):
     denominator: Literal["eligible", "masked"] = "eligible"
     exclude_mask_from_softmax: bool = True
     ce_chunk_size: int = Field(4096, ge=1)
+    router_aux_loss_coef: float | None = Field(
+        None, ge=0, description="MoE load-balancing loss weight; default: the model config's "
+        "router_aux_loss_coef when config.output_router_logits, else 0"
+    )
+    router_aux_tokens: Literal["both", "clean", "corrupted"] = Field(
+        "both", description="rows of the 2L sequence the load-balancing statistics count"
+    )
 
 
 class BDLMRecipe(BaseModel):
@@ -93,7 +100,13 @@ def _hf_config(model: ModelSection):
     from transformers import AutoConfig
 
     if model.pretrained is not None:
-        return AutoConfig.from_pretrained(model.pretrained)
+        try:
+            return AutoConfig.from_pretrained(model.pretrained)
+        except (OSError, ValueError) as err:
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ValueError(
+                f"model.pretrained: {model.pretrained} is not a save_pretrained directory ({first})"
+            ) from None
     cfg = dict(model.config)
     model_type = cfg.pop("model_type", None)
     if model_type is None:
@@ -119,6 +132,11 @@ def preflight(recipe: BDLMRecipe, world_size: int) -> None:
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(config)
     check_routable(lm)
+    check_windows(config, recipe.model.block_size, recipe.data.max_length)
+    coef = recipe.objective.router_aux_loss_coef
+    if coef and not any(getattr(config, f, None) for f in ("num_experts", "num_local_experts")):
+        name = type(lm).__name__
+        raise ValueError(f"objective.router_aux_loss_coef: {name} has no mixture-of-experts router")
     vocab = min(lm.get_input_embeddings().num_embeddings, lm.get_output_embeddings().out_features)
     if not 0 <= recipe.objective.mask_token_id < vocab:
         raise ValueError(
@@ -171,4 +189,6 @@ def build_workload(recipe: BDLMRecipe) -> BDLMWorkload:
         seq_len=d.max_length,
         exclude_mask_from_softmax=o.exclude_mask_from_softmax,
         ce_chunk_size=o.ce_chunk_size,
+        router_aux_loss_coef=o.router_aux_loss_coef,
+        router_aux_tokens=o.router_aux_tokens,
     )

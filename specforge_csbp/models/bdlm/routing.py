@@ -12,12 +12,18 @@ hands unchanged to every layer's attention call - so no model code is forked:
               token-wise, local rows only       ShardedAttention(plan):      token-wise, local
                                                 local + gathered K/V, merged
 
+Sliding-window layers: transformers passes a sliding layer's window as the `sliding_window` keyword
+(Gemma 3, Qwen2 with `use_sliding_window`, Mistral / Mixtral; `config.layer_types` says which layers);
+that layer then runs the executor's windowed sibling (`ShardedAttention.windowed`), the same plan under the
+same visibility rule with the window on clean keys (masks/visibility.py, docs/bdlm.md). Full layers run
+the executor itself.
+
 Models we cannot route fail with one line naming the model and the reason (`check_routable`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -26,15 +32,28 @@ from ...parallel import ShardedAttention
 
 __all__ = [
     "ATTENTION_NAME",
+    "ROUTABLE_LAYER_TYPES",
     "ROUTE_KWARG",
     "Route",
     "check_routable",
+    "check_windows",
+    "config_windows",
     "register_attention",
     "routed_attention",
 ]
 
 ATTENTION_NAME = "specforge_csbp"
 ROUTE_KWARG = "csbp_route"
+
+# Layer types the rule does not model, and why (config.layer_types; anything else unknown is refused too).
+ROUTABLE_LAYER_TYPES = ("full_attention", "sliding_attention")
+_UNROUTABLE_LAYER_TYPES = {
+    "linear_attention": "a recurrent state instead of softmax attention over keys (no mask applies)",
+    "mamba": "a state-space recurrence, not attention",
+    "conv": "a short convolution, not attention",
+    "chunked_attention": "chunk-local attention (keys of the query's own chunk only) is not built",
+    "hybrid": "a mixed attention / recurrent layer",
+}
 
 # Config fields that change the attention or logits in ways the visibility rule / linear CE do not model.
 _UNSUPPORTED_CONFIG = {
@@ -53,6 +72,23 @@ class Route:
     attention: ShardedAttention
     seq_len: int
     calls: int = 0
+    windows: list[int | None] = field(default_factory=list)  # each routed call's window (None: full)
+
+    def executor(self, window: int | None, module: str) -> ShardedAttention:
+        """The executor of a layer with sliding window `window` (None or >= seq_len: the full one)."""
+        self.windows.append(window if window is not None and window < self.seq_len else None)
+        if self.windows[-1] is None:
+            return self.attention
+        windowed = getattr(self.attention, "windowed", None)
+        if windowed is None:
+            raise ValueError(f"model: {module} has sliding_window={window}; the executor has no windowed form")
+        block = self.attention.block_size
+        if window < block:
+            raise ValueError(
+                f"model: {module} has sliding_window={window} < model.block_size={block}; a corrupted block "
+                f"must fit in the window (use model.block_size <= {window})"
+            )
+        return windowed(window)
 
 
 def routed_attention(
@@ -73,11 +109,7 @@ def routed_attention(
             f"{name}: attention implementation {ATTENTION_NAME!r} needs a BDLM plan; run the model through "
             f"specforge_csbp.models.bdlm.BDLMModel (or set config._attn_implementation back to 'sdpa')"
         )
-    window = kwargs.get("sliding_window")
-    if window is not None and window < route.seq_len:
-        raise ValueError(
-            f"model: {name} uses sliding_window={window} < seq_len={route.seq_len}; cannot be routed"
-        )
+    executor = route.executor(kwargs.get("sliding_window"), name)
     for field in ("softcap", "s_aux", "position_bias"):
         if kwargs.get(field) is not None:
             raise ValueError(
@@ -93,7 +125,7 @@ def routed_attention(
     )
     query, key, value = (t.to(dtype) for t in (query, key, value))
     route.calls += 1
-    out, _ = route.attention(query, key, value, scale=scaling)
+    out, _ = executor(query, key, value, scale=scaling)
     return out.transpose(1, 2), None
 
 
@@ -121,12 +153,44 @@ def check_routable(lm: nn.Module) -> None:
         value = getattr(config, field, None)
         if value not in (None, 1, 1.0):
             raise ValueError(f"model: {name} config.{field}={value} applies {what}; cannot be routed")
-    layer_types = getattr(config, "layer_types", None) or []
-    other = sorted({t for t in layer_types if t != "full_attention"})
-    if other:
+    if getattr(config, "use_bidirectional_attention", False):
         raise ValueError(
-            f"model: {name} config.layer_types has {other}; only full_attention layers can be routed"
+            f"model: {name} config.use_bidirectional_attention=True (an encoder); "
+            "only causal LMs can be routed"
+        )
+    layer_types = getattr(config, "layer_types", None) or []
+    other = sorted({t for t in layer_types if t not in ROUTABLE_LAYER_TYPES})
+    if other:
+        why = _UNROUTABLE_LAYER_TYPES.get(other[0], "a layer type the BDLM visibility rule does not model")
+        raise ValueError(
+            f"model: {name} config.layer_types has {other!r}: {why}; only "
+            f"{' and '.join(ROUTABLE_LAYER_TYPES)} layers can be routed"
         )
     head = lm.get_output_embeddings()
     if not isinstance(head, nn.Linear):
         raise ValueError(f"model: {name} output embeddings are {type(head).__name__}, expected nn.Linear")
+
+
+def config_windows(config) -> list[int | None]:
+    """Each layer's sliding window as the config declares it (None: full attention): `layer_types` where
+    the config has them (Gemma 3, Qwen2 / Qwen3 with use_sliding_window), else `sliding_window` on every
+    layer (Mistral, Mixtral). The routed forward records what the layers actually pass
+    (`BDLMModel.layer_windows`)."""
+    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [window if t == "sliding_attention" else None for t in types]
+    if getattr(config, "use_sliding_window", None) is False:
+        return [None] * layers
+    return [window] * layers
+
+
+def check_windows(config, block_size: int, seq_len: int) -> None:
+    """One-line error when a sliding window shorter than the sequence cannot hold a corrupted block."""
+    for window in config_windows(config):
+        if window is not None and window < min(block_size, seq_len):
+            raise ValueError(
+                f"model: config.sliding_window={window} < model.block_size={block_size}; a corrupted block "
+                f"must fit in the window of a sliding layer (use model.block_size <= {window})"
+            )

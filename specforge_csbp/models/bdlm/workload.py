@@ -18,9 +18,11 @@ from torch import nn
 
 from ...objectives.convert import ConvertObjective
 from ...objectives.noise import BDLMBatch, sequence_seed
+from ...objectives.router_aux import ROUTER_AUX_TOKENS, router_aux_numerator, router_aux_rows
 from ...objectives.sft import SFTObjective
 from .adapter import BDLMModel
 from .data import TokenSource
+from .routing import config_windows
 
 __all__ = ["BDLMMicroBatch", "BDLMWorkload", "bdlm_model_flops"]
 
@@ -31,36 +33,65 @@ class BDLMMicroBatch:
     denominator: float  # this rank's share of the global denominator
 
 
-def _visible_pairs(seq_len: int, block_size: int, clean_within_block: str) -> int:
-    """Attention (query, key) pairs of one 2L sequence under the visibility rule."""
-    blocks = seq_len // block_size
-    s2 = block_size * block_size
-    clean = (
-        seq_len * (seq_len + 1) // 2 if clean_within_block == "causal" else s2 * blocks * (blocks + 1) // 2
+def _visible_pairs(seq_len: int, block_size: int, clean_within_block: str, window: int | None = None) -> int:
+    """Attention (query, key) pairs of one 2L sequence under the visibility rule (with a sliding window
+    of `window` clean keys measured from each query's position; None: full attention)."""
+    pos = torch.arange(seq_len, dtype=torch.float64)
+    start = torch.div(pos, block_size, rounding_mode="floor") * block_size
+    lo = (pos - window + 1).clamp_min(0) if window is not None else torch.zeros_like(pos)
+    clean_hi = pos + 1 if clean_within_block == "causal" else start + block_size
+    clean = (clean_hi - lo).sum()
+    noisy = (block_size + (start - lo).clamp_min(0)).sum()
+    return int(clean + noisy)
+
+
+def _matmul_params(model: BDLMModel) -> float:
+    """Parameters one row multiplies with: every linear weight but the embeddings / head, with MoE experts
+    counted at top_k / num_experts (a row visits top_k experts). transformers 5 stores experts as stacked
+    [E, ...] parameters under an `experts` module, 4.x as a ModuleList of linears: both are counted here."""
+    cfg = model.config
+    embeddings = {id(model.lm.get_input_embeddings().weight), id(model.lm.get_output_embeddings().weight)}
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    top_k = getattr(cfg, "num_experts_per_tok", None)
+    in_experts: set[int] = set()
+    expert_params = 0
+    if experts and top_k:
+        for name, module in model.lm.named_modules():
+            if name.endswith("experts"):
+                for p in module.parameters():
+                    if id(p) not in in_experts and p.dim() >= 2:
+                        in_experts.add(id(p))
+                        expert_params += p.numel()
+    dense = sum(
+        m.weight.numel()
+        for m in model.lm.modules()
+        if isinstance(m, nn.Linear) and id(m.weight) not in embeddings and id(m.weight) not in in_experts
     )
-    noisy = blocks * s2 + s2 * blocks * (blocks - 1) // 2
-    return clean + noisy
+    gates = sum(  # transformers 5 routers are bare [E, H] parameters
+        m.weight.numel() for n, m in model.lm.named_modules()
+        if n.endswith("gate") and not isinstance(m, nn.Linear)
+        and isinstance(getattr(m, "weight", None), torch.Tensor)
+    )  # fmt: skip
+    return float(dense + gates) + (expert_params * top_k / experts if in_experts else 0.0)
 
 
 def bdlm_model_flops(model: BDLMModel, *, seq_len: int, sequences: int, supervised_rows: float) -> float:
-    """Model FLOPs (fwd + bwd, no recompute) of `sequences` 2L sequences: 6 x matmul params x rows, the
-    attention pairs (4 x pairs x head_dim x heads forward, twice that backward) and the LM head on the
-    supervised rows only."""
+    """Model FLOPs (fwd + bwd, no recompute) of `sequences` 2L sequences: 6 x matmul params x rows (MoE:
+    the active experts), the visible attention pairs of each layer (its sliding window, if any; 4 x pairs
+    x head_dim x heads forward, twice that backward) and the LM head on the supervised rows only."""
     cfg = model.config
-    embeddings = {id(model.lm.get_input_embeddings().weight), id(model.lm.get_output_embeddings().weight)}
-    linear = sum(
-        m.weight.numel()
-        for m in model.lm.modules()
-        if isinstance(m, nn.Linear) and id(m.weight) not in embeddings
-    )
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    pairs = _visible_pairs(seq_len, model.block_size, model.clean_within_block)
+    windows = model.layer_windows or tuple(config_windows(cfg)) or (None,) * cfg.num_hidden_layers
+    pairs = sum(
+        _visible_pairs(seq_len, model.block_size, model.clean_within_block, w if w and w < seq_len else None)
+        for w in windows
+    )
     rows = 2 * seq_len * sequences
     vocab, hidden = model.lm.get_output_embeddings().weight.shape
     return (
-        6.0 * linear * rows
-        + 12.0 * pairs * head_dim * heads * cfg.num_hidden_layers * sequences
+        6.0 * _matmul_params(model) * rows
+        + 12.0 * pairs * head_dim * heads * sequences
         + 6.0 * vocab * hidden * supervised_rows
     )
 
@@ -75,6 +106,8 @@ class BDLMWorkload:
         seq_len: int,
         exclude_mask_from_softmax: bool = False,
         ce_chunk_size: int = 4096,
+        router_aux_loss_coef: float | None = None,
+        router_aux_tokens: str = "both",
     ):
         if seq_len % objective.block_size:
             raise ValueError(
@@ -83,6 +116,15 @@ class BDLMWorkload:
         self.make_model, self.objective, self.source, self.seq_len = make_model, objective, source, seq_len
         self.exclude_ids = [objective.mask_token_id] if exclude_mask_from_softmax else None
         self.ce_chunk_size = ce_chunk_size
+        if router_aux_tokens not in ROUTER_AUX_TOKENS:
+            allowed = ", ".join(ROUTER_AUX_TOKENS)
+            raise ValueError(f"objective.router_aux_tokens must be one of {allowed}; got {router_aux_tokens!r}")
+        if router_aux_loss_coef is not None and router_aux_loss_coef < 0:
+            raise ValueError(f"objective.router_aux_loss_coef must be >= 0; got {router_aux_loss_coef}")
+        self.router_aux_loss_coef, self.router_aux_tokens = router_aux_loss_coef, router_aux_tokens
+        self.aux_coef = 0.0  # resolved against the model in build_model
+        self._aux_rows: torch.Tensor | None = None
+        self._group = None
         self._attention = None
         self._model: BDLMModel | None = None
 
@@ -102,10 +144,26 @@ class BDLMWorkload:
         self.bind(model, ctx)
         return model
 
+    def _resolve_aux_coef(self, model: BDLMModel) -> float:
+        """objective.router_aux_loss_coef, else the model's own switch: config.router_aux_loss_coef when
+        config.output_router_logits (transformers' convention); 0 for dense models."""
+        cfg = model.config
+        if self.router_aux_loss_coef is None:
+            on = model.is_moe and getattr(cfg, "output_router_logits", False)
+            return float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0) if on else 0.0
+        if self.router_aux_loss_coef > 0 and not model.is_moe:
+            raise ValueError(
+                f"objective.router_aux_loss_coef: {type(model.lm).__name__} has no mixture-of-experts router"
+            )
+        return float(self.router_aux_loss_coef)
+
     def bind(self, model: BDLMModel, ctx, attention=None) -> None:
         """Use `model` with ctx's CP group and mode (or a given executor, e.g. an instrumented one)."""
         self._attention = attention or model.attention(ctx.mode, self.seq_len, ctx.cp_group)
         self._model = model
+        self.aux_coef = self._resolve_aux_coef(model)
+        self._group = getattr(ctx, "cp_group", None)
+        self._aux_rows = router_aux_rows(self._attention.plan, self.router_aux_tokens)
 
     def microbatches(self, ctx, step: int) -> Sequence[BDLMMicroBatch]:
         assert self._attention is not None, "build_model() first"
@@ -121,11 +179,30 @@ class BDLMWorkload:
         return BDLMMicroBatch(local.to(device), local.denominator)
 
     def loss_numerator(self, model: BDLMModel, batch: BDLMMicroBatch, ctx=None) -> torch.Tensor:
-        hidden = model(batch.batch.input_ids, self._attention)
+        """CE numerator of this rank's supervised rows (+ coef x the router aux numerator, MoE models:
+        objectives/router_aux.py; the trainer divides both by the same global denominator)."""
+        hidden, router = model.forward_with_router_logits(
+            batch.batch.input_ids, self._attention, router_logits=self.aux_coef > 0
+        )
         weight, bias = model.head()
-        return batch.batch.loss_numerator(
+        loss = batch.batch.loss_numerator(
             hidden, weight, bias, exclude_ids=self.exclude_ids, chunk_size=self.ce_chunk_size
         )
+        return loss + self.aux_numerator(model, batch, router).to(loss.dtype)
+
+    def aux_numerator(self, model: BDLMModel, batch: BDLMMicroBatch, router: tuple) -> torch.Tensor:
+        """coef x the router's load-balancing numerator of this rank's rows (0 when the aux loss is off)."""
+        if self.aux_coef <= 0:
+            return torch.zeros((), device=batch.batch.counts.device)
+        if not router:
+            raise ValueError(
+                f"model: {type(model.lm).__name__} returned no router logits; "
+                "set objective.router_aux_loss_coef=0"
+            )
+        top_k = int(getattr(model.config, "num_experts_per_tok"))
+        counts = batch.batch.counts.sum(1)  # this rank's share of each sequence's denominator count
+        aux = router_aux_numerator(router, self._aux_rows, counts, top_k=top_k, group=self._group)
+        return self.aux_coef * aux
 
     def tokens_per_step(self, ctx) -> int:
         return ctx.global_batch * self.seq_len
