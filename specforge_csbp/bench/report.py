@@ -311,14 +311,21 @@ def write_report(
     """Load every record under `results`, write the markdown (and optionally the CSV); returns the records.
     `code_by_file`: library digests of record files written before records carried one (load_records)."""
     paths = results if isinstance(results, list) else [results]
-    existing = [p for p in paths if Path(p).exists()]
-    records = load_records(existing, code_by_file=code_by_file) if existing else []
+    missing = [str(p) for p in paths if not Path(p).exists()]
+    if missing:  # a mistyped path must not replace a report with "No records yet"
+        raise ValueError(f"--results: {', '.join(missing)} does not exist; {doc_path} was left unchanged")
+    records = load_records(paths, code_by_file=code_by_file)
     source = ", ".join(Path(p).as_posix().rstrip("/") + ("/" if Path(p).is_dir() else "") for p in paths)
     text = render_markdown(records, doc_path=doc_path, img_dir=img_dir, title=title, source=source,
                            generator=generator, predictor=predictor, predictor_note=predictor_note,
                            same_code=same_code)  # fmt: skip
     Path(doc_path).parent.mkdir(parents=True, exist_ok=True)
-    Path(doc_path).write_text(text)
+    tmp = Path(f"{doc_path}.tmp-{os.getpid()}")
+    try:  # atomic: a failed write (disk full) leaves the old report
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, doc_path)
+    finally:
+        tmp.unlink(missing_ok=True)
     if csv_path is not None:
         write_csv(records, csv_path)
     return records

@@ -52,7 +52,11 @@ def run(args: argparse.Namespace) -> int:
         note = (f"Planner predictions use the profile `{default_name}` ({profile.summary()})"
                 + "".join(f"; for `{w}` the profile `{own_names[w]}` ({p.summary()})" for w, p in sorted(own.items()))
                 + " and the model configs " + ", ".join(f"`{w}`: `{c}`" for w, c in sorted(models.items())) + ".")
-    code_by_file = json.loads(Path(args.code_by_file).read_text()) if args.code_by_file else None
+    from ..errors import load_json
+
+    if Path(args.out).is_dir():
+        raise ValueError(f"--out: {args.out} is a directory; give the markdown file to write")
+    code_by_file = load_json(args.code_by_file, "--code-by-file") if args.code_by_file else None
     records = write_report(args.results, args.out, img_dir=args.img_dir, csv_path=args.csv, title=args.title,
                            predictor=predictor, predictor_note=note, same_code=same_code, code_by_file=code_by_file)
     print(f"report: {len(records)} records -> {args.out}")

@@ -19,6 +19,7 @@ nproc_per_node = cp_size x dp_replicas. Errors are one line and name the flag or
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -125,18 +126,12 @@ def one_line(err: ValidationError, prefix: str = "") -> str:
 
 
 def _read_raw(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            if path.endswith((".yaml", ".yml")):
-                import yaml
+    from ..errors import load_json, load_yaml
 
-                raw = yaml.safe_load(f)
-            else:
-                raw = json.load(f)
-    except FileNotFoundError:
-        raise ValueError(f"--config: {path} does not exist") from None
-    except Exception as err:  # noqa: BLE001 - yaml / json syntax
-        raise ValueError(f"--config: cannot parse {path}: {str(err).splitlines()[0]}") from None
+    if os.path.isfile(path) or os.path.isdir(path):
+        raw = (load_yaml if path.endswith((".yaml", ".yml")) else load_json)(path, "--config")
+    else:
+        raise ValueError(f"--config: {path} does not exist")
     if not isinstance(raw, dict):
         raise ValueError(f"--config: {path} must hold a mapping with model/data/training sections")  # noqa: TRY004
     return raw
@@ -205,6 +200,10 @@ def prepare_run(
     except ValidationError as err:
         raise ValueError(one_line(err)) from None
 
+    from ..preflight import check_finite
+
+    check_finite(options.model_dump(), "csbp")
+    check_finite(cfg.model_dump())  # pydantic's gt/ge bounds let inf through (learning_rate: inf)
     forward = list(spec_overrides)
     if csbp:
         strategy = _translate_strategy(cfg.training.strategy)
