@@ -47,7 +47,7 @@ _DFLASH_FAMILY_NOT_IN_CSBP = ("domino", "dspark")
 class CSBPOptions(BaseModel):
     """The `csbp:` section of a run config."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     cp_size: int | None = Field(default=None, ge=1, description="ranks sharing one sample's context")
     dp_replicas: int | None = Field(default=None, ge=1, description="data-parallel copies of the CP group")
