@@ -465,3 +465,43 @@ def test_every_cli_error_class_is_one_line_not_a_traceback(tmp_path, capsys):
     err = _one_line(capsys, ["import-specforge", str(tmp_path), str(tmp_path / "f" / "s"), "--target-layer-ids", "1",
                              "--hidden-size", "4"])  # fmt: skip
     assert re.search(r"out: .*/f/s cannot be created: .*/f is a file", err), err
+
+
+# -- disk full in the trainer core: one line, `latest` intact, no partial checkpoint left ----------------
+def _disk_full_rank(rank: int, world: int, path: str) -> None:
+    if rank == 1:
+        raise OSError(errno.ENOSPC, "No space left on device", os.path.join(path, f"rank{rank}.bin"))
+    time.sleep(5)  # stopped by the launcher when rank 1 fails (or done by then)
+
+
+def test_disk_full_in_a_spawned_rank_comes_back_as_one_line(tmp_path):
+    from specforge_csbp.distributed import spawn
+
+    with pytest.raises(ValueError) as err:  # RankValueError: printed by the CLI as its one line
+        spawn(_disk_full_rank, 2, str(tmp_path), timeout_s=60)
+    assert str(err.value) == (f"rank 1: cannot write {tmp_path}/rank1.bin: No space left on device (disk full); "
+                              "free space or choose another output directory, then rerun (with --resume where "
+                              "the command has it)")  # fmt: skip
+
+
+def test_disk_full_at_a_train_bdlm_checkpoint_keeps_the_last_one(tmp_path, capsys, monkeypatch):
+    from test_reliability_common import SFT
+
+    from specforge_csbp.training import checkpoint as ckpt
+
+    real, calls = torch.save, []
+
+    def full(obj, f, *a, **kw):
+        calls.append(str(f))
+        if len(calls) == 2:  # the second checkpoint's optimizer state
+            raise OSError(errno.ENOSPC, "No space left on device", str(f))
+        return real(obj, f, *a, **kw)
+
+    monkeypatch.setattr(ckpt.torch, "save", full)
+    out = tmp_path / "out"
+    err = _one_line(capsys, ["train-bdlm", "-c", SFT, "parallel.world_size=1", "parallel.cp_degree=1",
+                             "train.steps=2", "train.warmup_steps=0", "train.save_every=1", f"train.output_dir={out}",
+                             "train.progress=false"])  # fmt: skip
+    assert f"cannot write {out}/.step_00000002.tmp/optimizer.pt: No space left on device (disk full)" in err, err
+    assert ckpt.latest_checkpoint(out).name == "step_00000001"
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["step_00000001"]  # no partial save left

@@ -116,10 +116,14 @@ def save_checkpoint(
     final = out / _name(step)
     tmp = out / f".{_name(step)}.tmp"
     tmp.mkdir()
-    write_model(tmp)
-    torch.save(optimizer_state, tmp / "optimizer.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1, default=str))
-    _seal(tmp, step)
+    try:
+        write_model(tmp)
+        torch.save(optimizer_state, tmp / "optimizer.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1, default=str))
+        _seal(tmp, step)
+    except Exception:  # disk full, I/O error: free the space now; `latest` still names the last checkpoint
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():  # a complete checkpoint of this step from a run that `latest` no longer names
         old = out / f".{_name(step)}.old.tmp"
         os.replace(final, old)
