@@ -18,7 +18,14 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["check_finite", "check_input_file", "check_outside", "check_store_trainable", "check_writable_dir"]
+__all__ = [
+    "check_finite",
+    "check_input_file",
+    "check_local_path",
+    "check_outside",
+    "check_store_trainable",
+    "check_writable_dir",
+]
 
 
 def check_writable_dir(path: str | os.PathLike, field: str) -> None:
@@ -47,6 +54,15 @@ def check_input_file(path: str | os.PathLike, field: str) -> str:
     if not os.path.isfile(path):
         raise ValueError(f"{field}: {path} does not exist")
     return path
+
+
+def check_local_path(path: str | None, field: str) -> None:
+    """A value that is written as a local path (absolute, ./, ../, ~) must exist; hub names ("org/name") pass."""
+    if not path or not str(path).startswith(("/", "./", "../", "~", "file://")):
+        return
+    local = os.path.expanduser(str(path).removeprefix("file://"))
+    if not os.path.exists(local):
+        raise ValueError(f"{field}: {path} does not exist (a local path; a hub model is written as org/name)")
 
 
 def check_finite(data: Any, prefix: str = "") -> None:

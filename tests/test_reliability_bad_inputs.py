@@ -92,6 +92,8 @@ CASES: dict[str, tuple[list[str], str | None, str]] = {
                          "data.path: {tmp}/mask2.jsonl:1 loss_mask must hold 0 or 1; got [1, 2, 1]"),
     "output-dir-under-file": (ONE, "out_parent_file",
                               "train.output_dir: {out}/run cannot be created: {out} is a file, not a directory"),
+    "pretrained-missing": (["model.config=null", "model.pretrained={tmp}/nope"], None,
+                           "model.pretrained: {tmp}/nope does not exist (a local path; a hub model is written as org/name)"),
     "checkpoint-corrupted": (ONE, "corrupted", ("train.output_dir: checkpoint file {out}/step_00000002/optimizer.pt is "
                              "corrupted (sha256 differs from its manifest.json)")),
 }  # fmt: skip

@@ -313,6 +313,7 @@ def test_a_truncated_store_manifest_or_wrong_schema_is_one_line(tmp_path):
 
 # -- the drafter launcher: checked before any worker starts, worker errors relayed ----------------------
 def _run_config(tmp_path, training=None, nproc=1, model=None, **top):
+    (tmp_path / "target").mkdir(exist_ok=True)
     raw = {
         "model": {"target_model_path": str(tmp_path / "target"), "draft_model_config": DRAFTER,
                   "torch_dtype": "float32", **(model or {})},
@@ -341,7 +342,8 @@ def _drafter_store(tmp_path, first_supervised: int = 0, length: int = 40, config
 
 @pytest.mark.parametrize("case", ["output-dir-file", "output-dir-read-only", "lr-inf", "grad-norm-nan", "csbp-nan",
                                   "beyond-max-length", "other-target", "warm-start-other-drafter",
-                                  "resume-other-drafter", "config-not-utf8", "draft-config-json"])  # fmt: skip
+                                  "resume-other-drafter", "config-not-utf8", "draft-config-json",
+                                  "target-missing"])  # fmt: skip
 def test_drafter_launcher_refuses_before_any_worker_starts(case, tmp_path, capsys, monkeypatch):
     from transformers import AutoConfig
 
@@ -383,6 +385,8 @@ def test_drafter_launcher_refuses_before_any_worker_starts(case, tmp_path, capsy
         ckpt.mkdir(parents=True)
         torch.save({"strategy": "dflash2", "csbp_draft_config": json.dumps(other)}, ckpt / "training_state.pt")
         training = {"resume_from": str(ckpt)}
+    if case == "target-missing":
+        model = {"target_model_path": str(tmp_path / "nowhere")}
     path = _run_config(tmp_path, training, model=model)
     if case == "config-not-utf8":
         open(path, "ab").write(b"# caf\xe9\n")
@@ -404,6 +408,7 @@ def test_drafter_launcher_refuses_before_any_worker_starts(case, tmp_path, capsy
                                      f"{drafter['num_hidden_layers']}"),
         "resume-other-drafter": f"training.resume_from: its drafter has num_hidden_layers={other['num_hidden_layers']}",
         "config-not-utf8": f"--config: {path}:",
+        "target-missing": f"model.target_model_path: {tmp_path}/nowhere does not exist",
         "draft-config-json": f"model.draft_model_config: {tmp_path}/d.json:2:1 is not valid JSON",
     }[case]  # fmt: skip
     rc = train_main(["--csbp", "-c", path, "--plan", *overrides])

@@ -35,6 +35,9 @@ def run(args: argparse.Namespace) -> int:
     from ..training.trainer import launch, under_torchrun
 
     recipe = load_recipe(BDLMRecipe, args.config, args.overrides)
+    from ..preflight import check_local_path
+
+    check_local_path(recipe.model.pretrained, "model.pretrained")
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else recipe.parallel.world_size
     preflight(recipe, world)
     launch(_rank_main, recipe.parallel, recipe)

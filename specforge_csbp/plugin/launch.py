@@ -81,11 +81,16 @@ def preflight(prepared: PreparedRun) -> None:
     """Cheap cross-checks in the launching process, so a bad store / config / checkpoint / output directory
     fails before any worker starts (specforge_csbp/preflight.py holds the shared checks)."""
     from ..data.store import FeatureStore
-    from ..preflight import check_store_trainable, check_writable_dir
+    from ..preflight import check_local_path, check_store_trainable, check_writable_dir
     from .data import check_store_path
 
     cfg = prepared.config
     check_writable_dir(cfg.output_dir, "output_dir")
+    for field, value in (("model.target_model_path", cfg.model.target_model_path),
+                         ("model.draft_model_config", cfg.model.draft_model_config),
+                         ("model.draft_checkpoint_path", cfg.model.draft_checkpoint_path),
+                         ("training.resume_from", cfg.training.resume_from)):  # fmt: skip
+        check_local_path(value, field)
     path = cfg.data.hidden_states_path
     check_store_path(path)
     store = FeatureStore(path, verify="trust")
