@@ -84,8 +84,8 @@ def test_other_entry_points_refuse_bad_input_in_one_line(case, tmp_path, capsys)
     doc = tmp_path / "doc.md"
     doc.write_text("# the existing report\n")
     argv, expected = {
-        "plan-block-0": (["plan", "--model", DRAFTER, "--block-size", "0"], "--block-size must be a finite number >= 1, got 0"),
-        "plan-gpu-mem-inf": (["plan", "--model", DRAFTER, "--gpu-mem", "inf"], "--gpu-mem must be a finite number > 0, got inf"),
+        "plan-block-0": (["plan", "--model", DRAFTER, "--block-size", "0"], "block_size (--block-size) must be a finite number >= 1, got 0"),
+        "plan-gpu-mem-inf": (["plan", "--model", DRAFTER, "--gpu-mem", "inf"], "gpu_mem (--gpu-mem) must be a finite number > 0, got inf"),
         "plan-model-dir": (["plan", "--model", str(tmp_path)], f"model: {tmp_path} is a directory; give a file"),
         "plan-model-utf8": (["plan", "--model", str(model)], f"model: {model}:1 is not UTF-8 text"),
         "report-missing": (["report", "--results", str(tmp_path / "resluts"), "--out", str(doc)],

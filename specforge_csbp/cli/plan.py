@@ -141,10 +141,10 @@ def _check_numbers(args: argparse.Namespace) -> None:
     import math
 
     for flag, value, low, strict in (
-        ("--block-size", args.block_size, 1, False), ("--anchors", args.anchors, 1, False),
-        ("--gpus", args.gpus, 1, False), ("--world-size", args.world_size, 1, False),
-        ("--gpu-mem", args.gpu_mem, 0, True), ("--state-bytes", args.state_bytes, 0, True),
-        ("--keep-logits-gib", args.keep_logits_gib, 0, False),
+        ("block_size (--block-size)", args.block_size, 1, False), ("anchors (--anchors)", args.anchors, 1, False),
+        ("gpus (--gpus)", args.gpus, 1, False), ("world_size (--world-size)", args.world_size, 1, False),
+        ("gpu_mem (--gpu-mem)", args.gpu_mem, 0, True), ("state_bytes (--state-bytes)", args.state_bytes, 0, True),
+        ("keep_logits_gib (--keep-logits-gib)", args.keep_logits_gib, 0, False),
     ):  # fmt: skip
         if not math.isfinite(value) or value < low or (strict and value == low):
             bound = f"> {low}" if strict else f">= {low}"
