@@ -93,29 +93,33 @@ def _record_sha256(record: dict, max_length: int) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _scan(path: str) -> list[tuple[int, dict, str]]:
-    """Every record of the data file before anything is loaded: JSON, shape and unique ids (one line each)."""
+def _records(path: str):
+    """(line, record, sample id) of every record (streamed: a large file is never held in memory)."""
     from ..data.samples import read_jsonl, sample_id_of
 
-    seen: dict[str, int] = {}
-    records = []
     for line, record in read_jsonl(path, "--data"):
+        yield line, record, sample_id_of(line, record)
+
+
+def _scan(path: str) -> int:
+    """Every record of the data file before anything is loaded: JSON, shape and unique ids (one line each);
+    returns the number of records."""
+    seen: dict[str, int] = {}
+    for line, record, sid in _records(path):
         if ("messages" in record) == ("text" in record):
             raise ValueError(
                 f"--data: line {line + 1} of {path} needs exactly one of 'messages' (chat) or 'text', got keys "
                 f"{sorted(record)}"
             )
-        sid = sample_id_of(line, record)
         if sid in seen:
             raise ValueError(
                 f"--data: line {line + 1} of {path} repeats the sample id {sid!r} of line {seen[sid] + 1}; "
                 "sample ids must be unique (drop the duplicate or give it its own \"id\")"
             )
         seen[sid] = line
-        records.append((line, record, sid))
-    if not records:
+    if not seen:
         raise ValueError(f"--data: {path} has no records (one JSON object per line)")
-    return records
+    return len(seen)
 
 
 def _load_tokenizer(path: str, given: bool):
@@ -157,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--device: {args.device} requested but torch.cuda.is_available() is False")
     if not os.path.exists(args.target):
         raise ValueError(f"--target: {args.target} does not exist (give a checkpoint directory or a config.json)")
-    records = _scan(args.data)
+    total = _scan(args.data)
     tok_path = args.tokenizer or (args.target if os.path.isdir(args.target) else os.path.dirname(args.target))
     tokenizer = _load_tokenizer(tok_path, args.tokenizer is not None)
     model, info = load_target(
@@ -185,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
             args.out, target=info, target_layer_ids=layer_ids, hidden_size=features.hidden_size,
             dtype=args.store_dtype or args.dtype, overwrite=args.overwrite, resume=args.resume,
         ) as writer:  # fmt: skip
-            bar = tqdm(records, desc="capture", unit="sample", disable=args.no_progress)
+            bar = tqdm(_records(args.data), total=total, desc="capture", unit="sample", disable=args.no_progress)
             for line, record, sid in bar:
                 where = f"line {line + 1} of {args.data}"
                 identity = _record_sha256(record, args.max_length)
@@ -210,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
                     break
             if stored + present == 0:
                 raise ValueError(
-                    f"--data: none of the {len(records)} records of {args.data} has two consecutive supervised "
+                    f"--data: none of the {total} records of {args.data} has two consecutive supervised "
                     f"tokens within --max-length {args.max_length} (chat records need an assistant turn); "
                     "nothing to capture"
                 )
