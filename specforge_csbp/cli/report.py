@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 from pathlib import Path
 
 from ..bench.records import BenchRecord

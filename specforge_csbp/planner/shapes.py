@@ -6,7 +6,6 @@ Only what the cost model needs: per-layer GEMM widths, attention heads, vocabula
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, replace
 from typing import Any
