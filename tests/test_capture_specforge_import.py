@@ -101,8 +101,10 @@ def test_import_errors_name_the_file(tmp_path, capsys):
                  "--hidden-size", "64", "--no-progress"])  # fmt: skip
     err = capsys.readouterr().err
     assert code == 2 and f"corrupted SpecForge record {victim}" in err and len(err.strip().splitlines()) == 1
-    # the sample converted before the bad one is kept, listed, and verifiable
-    assert FeatureStore(str(tmp_path / "s2")).sample_ids == ["00000000"]
+    # the sample converted before the bad one is listed, but the store is marked incomplete: a reader refuses
+    # it (naming how to redo it), and --overwrite replaces it
+    with pytest.raises(ValueError, match="is incomplete .*rerun `import-specforge` with --overwrite"):
+        FeatureStore(str(tmp_path / "s2"))
     code = main(["import-specforge", str(tmp_path / "empty"), str(tmp_path / "s3"), "--target-layer-ids", "1",
                  "--hidden-size", "64"])  # fmt: skip
     assert code == 2 and "neither a SpecForge record file nor a directory" in capsys.readouterr().err

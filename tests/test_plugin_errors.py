@@ -22,6 +22,7 @@ DRAFTER = os.path.join(ROOT, "examples", "quickstart_drafter.json")
 
 
 def _write(tmp_path, training=None, nproc=4, store="store", csbp=None, **top):
+    (tmp_path / "target").mkdir(exist_ok=True)  # a local target path must exist (preflight)
     raw = {
         "model": {"target_model_path": str(tmp_path / "target"), "draft_model_config": DRAFTER, "torch_dtype": "float32"},
         "data": {"hidden_states_path": str(tmp_path / store)},

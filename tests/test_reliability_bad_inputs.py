@@ -86,8 +86,25 @@ CASES: dict[str, tuple[list[str], str | None, str]] = {
                               "model: Qwen3ForCausalLM config.layer_types has ['linear_attention']: a recurrent state"),
     "router-aux-dense": (["objective.router_aux_loss_coef=0.01"], None,
                          "objective.router_aux_loss_coef: Qwen3ForCausalLM has no mixture-of-experts router"),
+    "pretrained-not-a-model": (["model.config=null", "model.pretrained={tmp}/empty"], "empty_dir",
+                               "model.pretrained: {tmp}/empty is not a save_pretrained directory"),
+    "lr-inf": (["train.lr=.inf"], None, "train.lr: Input should be a finite number (got inf)"),
+    "eps-nan": (["train.adam_eps=.nan"], None, "train.adam_eps: Input should be a finite number"),
+    "yaml-syntax": ([], "bad_yaml", "config: {tmp}/recipe.yaml is not valid YAML: line 3 column 7: expected ',' or ']'"),
+    "yaml-not-utf8": ([], "latin1_yaml", "config: {tmp}/recipe.yaml:2 is not UTF-8 text"),
+    "jsonl-not-utf8": (ONE + ["data.source=jsonl", "data.path={tmp}/latin1.jsonl"], "jsonl",
+                       "data.path: {tmp}/latin1.jsonl:2 is not UTF-8 text"),
+    "jsonl-directory": (ONE + ["data.source=jsonl", "data.path={tmp}"], None, "data.path: {tmp} is a directory; give a file"),
+    "float-token-ids": (ONE + ["data.source=jsonl", "data.path={tmp}/float.jsonl"], "jsonl",
+                        "data.path: {tmp}/float.jsonl:1 input_ids must be integers; got [1, 2.7, 3]"),
+    "loss-mask-values": (ONE + ["data.source=jsonl", "data.path={tmp}/mask2.jsonl"], "jsonl",
+                         "data.path: {tmp}/mask2.jsonl:1 loss_mask must hold 0 or 1; got [1, 2, 1]"),
+    "output-dir-under-file": (ONE, "out_parent_file",
+                              "train.output_dir: {out}/run cannot be created: {out} is a file, not a directory"),
     "pretrained-missing": (["model.config=null", "model.pretrained={tmp}/nope"], None,
-                           "model.pretrained: {tmp}/nope is not a save_pretrained directory"),
+                           "model.pretrained: {tmp}/nope does not exist (a local path; a hub model is written as org/name)"),
+    "checkpoint-corrupted": (ONE, "corrupted", ("train.output_dir: checkpoint file {out}/step_00000002/optimizer.pt is "
+                             "corrupted (sha256 differs from its manifest.json)")),
 }  # fmt: skip
 
 
@@ -102,11 +119,28 @@ def _fixture(kind: str | None, tmp: Path, out: Path) -> list[str]:
         recipe = tmp / "recipe.yaml"
         recipe.write_text(re.sub(r"\n  mask_token_id: .*", "", text))
         return ["-c", str(recipe)]
+    (tmp / "latin1.jsonl").write_bytes(b'{"input_ids": [1, 2, 3]}\n{"input_ids": [1], "note": "caf\xe9"}\n')
+    (tmp / "float.jsonl").write_text('{"input_ids": [1, 2.7, 3]}\n')
+    (tmp / "mask2.jsonl").write_text('{"input_ids": [1, 2, 3], "loss_mask": [1, 2, 1]}\n')
+    if kind in ("bad_yaml", "latin1_yaml"):
+        recipe = tmp / "recipe.yaml"
+        text = Path(SFT).read_text()
+        if kind == "bad_yaml":  # an unclosed flow sequence: the error is at the line after it
+            recipe.write_text("# recipe\nmodel: [1, 2\nbroken: {\n" + text)
+        else:
+            recipe.write_bytes(b"# recipe\n# caf\xe9 (latin-1)\n" + text.encode())
+        return ["-c", str(recipe)]
     if kind == "out_is_file":
         out.write_text("not a directory")
+    if kind == "empty_dir":  # exists, but holds no config.json / weights
+        (tmp / "empty").mkdir()
+    if kind == "out_parent_file":
+        out.write_text("not a directory")
+        return ["-c", SFT, f"train.output_dir={out}/run"]
     if kind in (
         "checkpoint",
         "incomplete",
+        "corrupted",
     ):  # a complete checkpoint of a 1-rank run (seed 0, 2 sequences/step)
         layout = {
             "seed": 0,
@@ -120,6 +154,11 @@ def _fixture(kind: str | None, tmp: Path, out: Path) -> list[str]:
                         optimizer_state={}, trainer_state={"step": 2, "layout": layout})  # fmt: skip
         if kind == "incomplete":
             (out / "step_00000002" / "optimizer.pt").unlink()
+        if kind == "corrupted":  # one flipped byte, same size: only the content hash tells
+            victim = out / "step_00000002" / "optimizer.pt"
+            data = bytearray(victim.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            victim.write_bytes(bytes(data))
     return ["-c", SFT]
 
 
@@ -140,7 +179,11 @@ def test_bad_input(case, tmp_path, capsys):
     config = _fixture(kind, tmp_path, out)
     before = _snapshot(out)
     args = [a.format(tmp=tmp_path, out=out) for a in overrides]
-    rc = main(["train-bdlm", *config, *args, f"train.output_dir={out}", "train.progress=false"])
+    if kind == "out_parent_file":  # the output_dir override comes with the fixture
+        args, config = args + [config[-1]], config[:-1]
+        rc = main(["train-bdlm", *config, *args, "train.progress=false"])
+    else:
+        rc = main(["train-bdlm", *config, *args, f"train.output_dir={out}", "train.progress=false"])
     err = capsys.readouterr().err.strip()
     assert rc == 2, err
     assert len(err.splitlines()) == 1, err

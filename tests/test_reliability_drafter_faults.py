@@ -83,6 +83,10 @@ def test_a_crashed_rank_stops_every_rank_and_is_named(tmp_path):
     # exit (torchrun's "Root Cause" is whichever exit it saw first: often the survivor, whose collective
     # failed when the crashed peer's connection closed, so it is not asserted)
     assert "[rank1]: RuntimeError: injected crash" in text, text[-3000:]
+    # ... and the launcher prints the crashed rank's own one line last, after torchrun's summary (relay.py)
+    assert done.stderr.strip().splitlines()[-1] == (
+        "specforge train: error: rank 1: RuntimeError: injected crash"
+    ), done.stderr[-2000:]
     summary = text[text.index("Failures:") :] if "Failures:" in text else text[text.index("Root Cause") :]
     exits = dict(re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\n\s*exitcode\s*:\s*(-?\d+)", summary))
     assert set(exits) == {"0", "1"} and all(int(code) != 0 for code in exits.values()), summary

@@ -179,7 +179,7 @@ def test_corrupted_and_missing_files_are_named(tmp_path):
     msg = _one_line_error(lambda: FeatureStore(root, verify="trust"), "missing store file")
     assert victim in msg and "'s1'" in msg
     _one_line_error(lambda: FeatureStore(str(tmp_path / "nowhere")), "store: missing .*manifest.json")
-    _one_line_error(lambda: FeatureStore(root, verify="sometimes"), "verify must be one of full, trust")
+    _one_line_error(lambda: FeatureStore(root, verify="sometimes"), "verify must be one of full, lazy, trust")
 
 
 def test_corrupted_header_in_trust_mode_is_named(tmp_path):
@@ -264,12 +264,18 @@ def test_a_crash_mid_write_leaves_a_valid_store_of_complete_samples(tmp_path, mo
     root = str(tmp_path / "store")
     with pytest.raises(OSError, match="disk full"):
         _write(root, _samples())
-    store = FeatureStore(root, verify="full")
-    assert store.sample_ids == ["s0", "s1"]
     assert sorted(os.listdir(os.path.join(root, "samples"))) == [
         "00000000.safetensors",
         "00000001.safetensors",
     ]
+    # the finished samples are kept for --resume, but the store never looks complete
+    _one_line_error(lambda: FeatureStore(root, verify="full"), "is incomplete .* stopped after 2 samples")
+    monkeypatch.setattr(store_mod, "save_file", real_save)
+    kw = dict(target=TargetInfo(name="t", config_sha256="abc"), target_layer_ids=LAYERS, hidden_size=HIDDEN)
+    with FeatureStoreWriter(root, dtype="float64", resume=True, **kw) as writer:
+        for sid, ids, mask, hidden in _samples()[2:]:
+            writer.add(sid, ids, mask, hidden)
+    assert FeatureStore(root, verify="full").sample_ids == [s[0] for s in _samples()]
 
 
 def test_a_killed_writer_keeps_its_last_flush_and_resumes(tmp_path):
@@ -279,7 +285,7 @@ def test_a_killed_writer_keeps_its_last_flush_and_resumes(tmp_path):
     for sid, ids, mask, hidden in samples[:2]:
         writer.add(sid, ids, mask, hidden)
     del writer  # never closed: as if the process died
-    assert FeatureStore(root).sample_ids == ["s0", "s1"]
+    _one_line_error(lambda: FeatureStore(root), "is incomplete")  # its last flush lists s0, s1; not complete
     _one_line_error(lambda: FeatureStoreWriter(root, dtype="float32", resume=True, **kw), "resume: dtype")
     other = dict(kw, target=TargetInfo(name="t", config_sha256="xyz"))
     _one_line_error(

@@ -50,17 +50,32 @@ def load_records(
         # only record files: a leftover *.jsonl.tmp or a log beside them is not a record
         files.extend(sorted(f for f in p.glob("**/*") if f.suffix in (".json", ".jsonl")) if p.is_dir() else [p])
     records = []
+    from pydantic import ValidationError
+
+    from ..errors import load_json, one_line, read_lines
+
     for f in files:
-        text = f.read_text()
         if f.suffix == ".jsonl":
-            items = [json.loads(line) for line in text.splitlines() if line.strip()]
+            items = []
+            for n, line in read_lines(f, "--results"):
+                if line.strip():
+                    try:
+                        items.append((n, json.loads(line)))
+                    except json.JSONDecodeError as err:
+                        raise ValueError(f"--results: {f}:{n} is not valid JSON ({err.msg})") from None
         else:
-            data = json.loads(text)
-            items = data if isinstance(data, list) else [data]
+            data = load_json(f, "--results")
+            items = list(enumerate(data if isinstance(data, list) else [data], 1))
         code = (code_by_file or {}).get(f.name)
-        if code is not None:
-            items = [{"code": code, **item} for item in items]
-        records.extend(BenchRecord.model_validate(item) for item in items)
+        for n, item in items:
+            if not isinstance(item, dict):
+                raise ValueError(f"--results: {f}: record {n} is not a JSON object")
+            if code is not None:
+                item = {"code": code, **item}
+            try:
+                records.append(BenchRecord.model_validate(item))
+            except ValidationError as err:
+                raise ValueError(f"--results: {f}: record {n}: {one_line(err)}") from None
     return records
 
 

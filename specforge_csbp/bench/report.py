@@ -418,9 +418,12 @@ def _headline_table(rows: list[HeadlineRow], rerun: Callable[[BenchRecord], str 
 def _write_atomic(path: Path, text: str) -> None:
     """Write through a temporary file and rename: a reader never sees half a page."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:  # a failed write (disk full) leaves the old page
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def write_csv(records: list[BenchRecord], path: str | Path) -> None:
@@ -459,8 +462,10 @@ def write_report(
     `code_by_file`: library digests of record files written before records carried one (load_records);
     `rerun`: see render_summary."""
     paths = results if isinstance(results, list) else [results]
-    existing = [p for p in paths if Path(p).exists()]
-    records = load_records(existing, code_by_file=code_by_file) if existing else []
+    missing = [str(p) for p in paths if not Path(p).exists()]
+    if missing:  # a mistyped path must not replace a report with "No records yet"
+        raise ValueError(f"--results: {', '.join(missing)} does not exist; {doc_path} was left unchanged")
+    records = load_records(paths, code_by_file=code_by_file)
     source = ", ".join(Path(p).as_posix().rstrip("/") + ("/" if Path(p).is_dir() else "") for p in paths)
     doc_path = Path(doc_path)
     records_path = Path(records_path) if records_path is not None else doc_path.with_name(

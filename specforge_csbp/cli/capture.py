@@ -13,8 +13,12 @@ Samples with no two consecutive supervised tokens are skipped (a DFlash anchor n
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import signal
+import sys
+import threading
 
 from tqdm import tqdm
 
@@ -33,15 +37,17 @@ def parse_layer_ids(text: str) -> list[int]:
 
 
 def layer_ids_from_draft_config(path: str) -> list[int]:
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"--draft-config: cannot read {path} ({err})") from None
+    from ..errors import load_json
+
+    cfg = load_json(path, "--draft-config")
+    if not isinstance(cfg, dict):
+        raise ValueError(f"--draft-config: {path} must hold a JSON object (a drafter config)")
     ids = (cfg.get("dflash_config") or {}).get("target_layer_ids")
     if not ids:
         raise ValueError(f"--draft-config: {path} has no dflash_config.target_layer_ids")
-    return [int(i) for i in ids]
+    if not isinstance(ids, list) or any(not isinstance(i, int) or isinstance(i, bool) for i in ids):
+        raise ValueError(f"--draft-config: {path}: dflash_config.target_layer_ids must be a list of integers, got {ids}")
+    return list(ids)
 
 
 def resolve_layer_ids(args: argparse.Namespace) -> list[int]:
@@ -77,31 +83,91 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
+class _Terminated(Exception):
+    """SIGTERM during a capture: unwinds through the writer, which keeps the finished samples."""
+
+
+def _record_sha256(record: dict, max_length: int) -> str:
+    """A sample's identity for --resume: its record and the truncation, not its line number."""
+    blob = json.dumps(record, sort_keys=True, ensure_ascii=False) + f"|max_length={max_length}"
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _records(path: str):
+    """(line, record, sample id) of every record (streamed: a large file is never held in memory)."""
+    from ..data.samples import read_jsonl, sample_id_of
+
+    for line, record in read_jsonl(path, "--data"):
+        yield line, record, sample_id_of(line, record)
+
+
+def _scan(path: str) -> int:
+    """Every record of the data file before anything is loaded: JSON, shape and unique ids (one line each);
+    returns the number of records."""
+    seen: dict[str, int] = {}
+    for line, record, sid in _records(path):
+        if ("messages" in record) == ("text" in record):
+            raise ValueError(
+                f"--data: line {line + 1} of {path} needs exactly one of 'messages' (chat) or 'text', got keys "
+                f"{sorted(record)}"
+            )
+        if sid in seen:
+            raise ValueError(
+                f"--data: line {line + 1} of {path} repeats the sample id {sid!r} of line {seen[sid] + 1}; "
+                "sample ids must be unique (drop the duplicate or give it its own \"id\")"
+            )
+        seen[sid] = line
+    if not seen:
+        raise ValueError(f"--data: {path} has no records (one JSON object per line)")
+    return len(seen)
+
+
+def _load_tokenizer(path: str, given: bool):
     from transformers import AutoTokenizer
 
+    field = "--tokenizer" if given else "--target (its tokenizer; or give --tokenizer)"
+    if not os.path.exists(path):
+        raise ValueError(f"{field}: {path} does not exist")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as err:
+        raise ValueError(f"{field}: cannot load a tokenizer from {path} ({str(err).splitlines()[0]})") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
     from ..data.capture import TargetFeatures, has_weights, load_target
-    from ..data.samples import has_consecutive_supervised, read_jsonl, sample_id_of, tokenize_sample
+    from ..data.samples import has_consecutive_supervised, tokenize_sample
     from ..data.store import FeatureStoreWriter, check_out_dir
+    from ..preflight import check_input_file, check_writable_dir
 
     layer_ids = resolve_layer_ids(args)
     if args.max_length < 1:
         raise ValueError(f"--max-length must be >= 1, got {args.max_length}")
-    if not os.path.isfile(args.data):
-        raise ValueError(f"--data: {args.data} is not a file")
+    if args.num_samples is not None and args.num_samples < 1:
+        raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.chunk_size < 0:
+        raise ValueError(f"--chunk-size must be >= 0 (0 = whole sample), got {args.chunk_size}")
+    check_input_file(args.data, "--data")
     if args.resume and args.overwrite:
         raise ValueError("--resume and --overwrite: give at most one")
+    check_writable_dir(args.out, "--out")
+    if args.save_target:
+        check_writable_dir(args.save_target, "--save-target")
     if not (args.resume and os.path.isfile(os.path.join(args.out, "manifest.json"))):
         check_out_dir(args.out, args.overwrite)  # fail before loading a large target
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device: {args.device} requested but torch.cuda.is_available() is False")
+    if not os.path.exists(args.target):
+        raise ValueError(f"--target: {args.target} does not exist (give a checkpoint directory or a config.json)")
+    total = _scan(args.data)
     tok_path = args.tokenizer or (args.target if os.path.isdir(args.target) else os.path.dirname(args.target))
+    tokenizer = _load_tokenizer(tok_path, args.tokenizer is not None)
     model, info = load_target(
         args.target, dtype=args.dtype, device=args.device, seed=args.seed,
         attn_implementation=args.attn_implementation,
     )  # fmt: skip
-    tokenizer = AutoTokenizer.from_pretrained(tok_path)
     features = TargetFeatures(
         model, layer_ids, chunk_size=args.chunk_size, out_dtype=getattr(torch, args.store_dtype or args.dtype)
     )
@@ -112,29 +178,54 @@ def run(args: argparse.Namespace) -> int:
         model.save_pretrained(args.save_target)
         tokenizer.save_pretrained(args.save_target)
     stored = skipped = present = tokens = 0
-    with FeatureStoreWriter(
-        args.out, target=info, target_layer_ids=layer_ids, hidden_size=features.hidden_size,
-        dtype=args.store_dtype or args.dtype, overwrite=args.overwrite, resume=args.resume,
-    ) as writer:  # fmt: skip
-        with open(args.data) as f:
-            total = sum(1 for line in f if line.strip())
-        bar = tqdm(
-            read_jsonl(args.data), total=total, desc="capture", unit="sample", disable=args.no_progress
-        )
-        for line, record in bar:
-            if writer.has(sample_id_of(line, record)):
-                present += 1  # --resume: captured by an earlier run
-                continue
-            where = f"line {line + 1} of {args.data}"
-            input_ids, loss_mask = tokenize_sample(tokenizer, record, max_length=args.max_length, where=where)
-            if not has_consecutive_supervised(loss_mask):
-                skipped += 1
-                continue
-            writer.add(sample_id_of(line, record), input_ids, loss_mask, features(input_ids))
-            stored, tokens = stored + 1, tokens + int(input_ids.numel())
-            bar.set_postfix(tokens=str(tokens), skipped=skipped)
-            if args.num_samples is not None and stored >= args.num_samples:
-                break
+
+    def terminate(signum, _frame):
+        raise _Terminated(signum)
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, terminate) if main_thread else None
+    try:
+        with FeatureStoreWriter(
+            args.out, target=info, target_layer_ids=layer_ids, hidden_size=features.hidden_size,
+            dtype=args.store_dtype or args.dtype, overwrite=args.overwrite, resume=args.resume,
+        ) as writer:  # fmt: skip
+            bar = tqdm(_records(args.data), total=total, desc="capture", unit="sample", disable=args.no_progress)
+            for line, record, sid in bar:
+                where = f"line {line + 1} of {args.data}"
+                identity = _record_sha256(record, args.max_length)
+                if writer.has(sid):
+                    old = writer.entry(sid).record_sha256
+                    if old is not None and old != identity:
+                        raise ValueError(
+                            f"--resume: {where} (sample id {sid!r}) is not the record the store at {args.out} "
+                            "captured under that id (another data file or --max-length); use --overwrite or a "
+                            "new --out"
+                        )
+                    present += 1  # --resume: captured by an earlier run
+                    continue
+                input_ids, loss_mask = tokenize_sample(tokenizer, record, max_length=args.max_length, where=where)
+                if not has_consecutive_supervised(loss_mask):
+                    skipped += 1
+                    continue
+                writer.add(sid, input_ids, loss_mask, features(input_ids), record_sha256=identity)
+                stored, tokens = stored + 1, tokens + int(input_ids.numel())
+                bar.set_postfix(tokens=str(tokens), skipped=skipped)
+                if args.num_samples is not None and stored >= args.num_samples:
+                    break
+            if stored + present == 0:
+                raise ValueError(
+                    f"--data: none of the {total} records of {args.data} has two consecutive supervised "
+                    f"tokens within --max-length {args.max_length} (chat records need an assistant turn); "
+                    "nothing to capture"
+                )
+    except _Terminated:
+        print(f"capture: stopped by SIGTERM after {stored} new samples; the store at {args.out} is marked "
+              "incomplete: rerun with --resume to finish it, or --overwrite to replace it",
+              file=sys.stderr)  # fmt: skip
+        return 128 + signal.SIGTERM
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     kept = f"; kept {present} from an earlier run" if present else ""
     print(f"capture: wrote {stored} samples ({tokens} tokens) to {args.out}; skipped {skipped} without two "
           f"consecutive supervised tokens{kept}")  # fmt: skip

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 
 __all__ = ["register", "run"]
 
@@ -36,12 +37,37 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+_ROTATED = re.compile(r"(.+-step\d+|step_\d{8})$")  # SpecForge's and train-bdlm's rotated checkpoint dirs
+
+
+def _check_out_location(checkpoint: str, out: str) -> None:
+    """OUT must not live inside a checkpoint directory: the trainer's rotation deletes those."""
+    from ..preflight import check_outside, check_writable_dir
+
+    check_writable_dir(os.path.dirname(os.path.abspath(out)) or ".", "OUT")
+    why = "which the trainer's checkpoint rotation deletes"
+    if os.path.isdir(checkpoint) and _ROTATED.match(os.path.basename(os.path.realpath(checkpoint))):
+        check_outside(out, "OUT", checkpoint, why)
+    parent = os.path.realpath(os.path.abspath(out))
+    while parent != os.path.dirname(parent):
+        parent = os.path.dirname(parent)
+        if _ROTATED.match(os.path.basename(parent)):
+            check_outside(out, "OUT", parent, f"a checkpoint directory ({why})")
+
+
 def run(args: argparse.Namespace) -> int:
     from ..export.writer import export_drafter, serve_commands
 
-    result = export_drafter(
-        args.checkpoint, args.out, to=args.to, overwrite=args.overwrite, dtype=args.dtype, target=args.target
-    )
+    _check_out_location(args.checkpoint, args.out)
+    try:
+        result = export_drafter(
+            args.checkpoint, args.out, to=args.to, overwrite=args.overwrite, dtype=args.dtype, target=args.target
+        )
+    except Exception as err:
+        if type(err).__name__ != "SafetensorError":
+            raise
+        raise ValueError(f"CHECKPOINT: {args.checkpoint}: a weights file is not a complete safetensors file "
+                         f"({str(err).splitlines()[0]}); re-copy or re-save it") from None  # fmt: skip
     out = os.path.abspath(result.out)
     print(
         f"specforge-csbp export: {result.architecture} ({result.num_tensors} tensors, {result.dtype}) -> {out}"

@@ -42,9 +42,14 @@ def run(args: argparse.Namespace) -> int:
     from ..data.specforge_import import import_specforge_records
     from ..data.store import check_out_dir
 
+    from ..preflight import check_writable_dir
+
     layer_ids = resolve_layer_ids(args)
     if (args.target is None) == (args.hidden_size is None):
         raise ValueError("target: give exactly one of --target or --hidden-size")
+    if args.hidden_size is not None and args.hidden_size < 1:
+        raise ValueError(f"--hidden-size must be >= 1, got {args.hidden_size}")
+    check_writable_dir(args.out, "out")
     check_out_dir(args.out, args.overwrite)
     if args.target is not None:
         from transformers import AutoConfig

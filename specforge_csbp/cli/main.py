@@ -9,6 +9,7 @@ import pkgutil
 import sys
 
 from .. import __version__
+from ..errors import is_user_error, one_line
 
 __all__ = ["build_parser", "main"]
 
@@ -31,8 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except ValueError as err:  # validation errors are one line, named after the field
-        print(f"specforge-csbp {args.command}: error: {err}", file=sys.stderr)
+    except Exception as err:  # a user's input or machine (bad value, file, disk full): one line; bugs: traceback
+        if not is_user_error(err):
+            raise
+        print(f"specforge-csbp {args.command}: error: {one_line(err)}", file=sys.stderr)
         return 2
 
 

@@ -136,9 +136,25 @@ def _pred_json(p: Prediction | None) -> dict | None:
     }  # fmt: skip
 
 
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Every numeric flag before anything is loaded or measured (argparse lets 0, -1, nan and inf in)."""
+    import math
+
+    for flag, value, low, strict in (
+        ("block_size (--block-size)", args.block_size, 1, False), ("anchors (--anchors)", args.anchors, 1, False),
+        ("gpus (--gpus)", args.gpus, 1, False), ("world_size (--world-size)", args.world_size, 1, False),
+        ("gpu_mem (--gpu-mem)", args.gpu_mem, 0, True), ("state_bytes (--state-bytes)", args.state_bytes, 0, True),
+        ("keep_logits_gib (--keep-logits-gib)", args.keep_logits_gib, 0, False),
+    ):  # fmt: skip
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            bound = f"> {low}" if strict else f">= {low}"
+            raise ValueError(f"{flag} must be a finite number {bound}, got {value}")
+
+
 def run(args: argparse.Namespace) -> int:
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     is_rank0 = not under_torchrun or os.environ.get("RANK") == "0"
+    _check_numbers(args)
     shape = workload = None
     if args.model is not None:  # before calibrating: a bad config fails in a second, not after the run
         shape = load_shape(args.model)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 from pathlib import Path
 
 from ..bench.records import BenchRecord
@@ -57,7 +56,11 @@ def run(args: argparse.Namespace) -> int:
         note = (f"Planner predictions use the profile `{default_name}` ({profile.summary()})"
                 + "".join(f"; for `{w}` the profile `{own_names[w]}` ({p.summary()})" for w, p in sorted(own.items()))
                 + " and the model configs " + ", ".join(f"`{w}`: `{c}`" for w, c in sorted(models.items())) + ".")
-    code_by_file = json.loads(Path(args.code_by_file).read_text()) if args.code_by_file else None
+    from ..errors import load_json
+
+    if Path(args.out).is_dir():
+        raise ValueError(f"--out: {args.out} is a directory; give the markdown file to write")
+    code_by_file = load_json(args.code_by_file, "--code-by-file") if args.code_by_file else None
     rerun = None
     if args.scenarios:
         from ..bench.scenarios import load_scenarios, rerun_command

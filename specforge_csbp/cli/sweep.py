@@ -57,12 +57,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _ints(text: str, field: str) -> list[int]:
     try:
-        return sorted({int(t) for t in text.split(",") if t.strip()})
+        values = sorted({int(t) for t in text.split(",") if t.strip()})
     except ValueError:
         raise ValueError(f"{field} must be a comma list of integers; got {text!r}") from None
+    if not values or values[0] < 1:
+        raise ValueError(f"{field} must be a comma list of integers >= 1; got {text!r}")
+    return values
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..preflight import check_writable_dir
+
+    check_writable_dir(args.out_dir, "--out-dir")
     if args.report_only:
         records = write_outputs(args.out_dir)
         print(f"sweep: {len(records)} records -> {args.out_dir}/sweep.md")

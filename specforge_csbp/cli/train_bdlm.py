@@ -76,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
     from ..training.trainer import launch, under_torchrun
 
     recipe = load_recipe(BDLMRecipe, args.config, args.overrides)
+    from ..preflight import check_local_path
+
+    check_local_path(recipe.model.pretrained, "model.pretrained")
     if under_torchrun():
         preflight(recipe, int(os.environ["WORLD_SIZE"]))
         launch(_rank_main, recipe.parallel, recipe)

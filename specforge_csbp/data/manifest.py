@@ -59,6 +59,12 @@ class SampleEntry(BaseModel):
     nbytes: int = Field(ge=0)
     sha256: str
     source_file: str | None = Field(default=None, description="original record, for imported stores")
+    first_anchor: int | None = Field(
+        default=None, ge=0, description="first p with loss_mask[p] and loss_mask[p+1] (None: none, or not recorded)"
+    )
+    record_sha256: str | None = Field(
+        default=None, description="sha256 of the source record and capture settings: --resume's sample identity"
+    )
 
 
 class StoreManifest(BaseModel):
@@ -70,6 +76,9 @@ class StoreManifest(BaseModel):
     hidden_size: int = Field(ge=1)
     dtype: str
     source: str = Field(default="capture", description="'capture' or 'specforge-import'")
+    complete: bool = Field(
+        default=True, description="false while a capture / import runs, and after one that stopped or failed"
+    )
     samples: list[SampleEntry] = []
 
     @property

@@ -28,19 +28,21 @@ __all__ = ["has_consecutive_supervised", "read_jsonl", "sample_id_of", "tokenize
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-def read_jsonl(path: str) -> Iterator[tuple[int, dict]]:
-    """(line_number, record) for every non-empty line; a bad line is a one-line ValueError."""
-    with open(path) as f:
-        for i, line in enumerate(f):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"data: line {i + 1} of {path} is not valid JSON ({err.msg})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"data: line {i + 1} of {path} must be a JSON object")
-            yield i, record
+def read_jsonl(path: str, field: str = "data") -> Iterator[tuple[int, dict]]:
+    """(line_number, record) for every non-empty line (0-based); a bad line - not UTF-8, not JSON, not an
+    object - is a one-line ValueError naming the file and the line."""
+    from ..errors import read_lines
+
+    for n, line in read_lines(path, field):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{field}: line {n} of {path} is not valid JSON ({err.msg})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{field}: line {n} of {path} must be a JSON object")
+        yield n - 1, record
 
 
 def sample_id_of(line: int, record: dict) -> str:

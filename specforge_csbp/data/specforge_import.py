@@ -91,6 +91,7 @@ def import_specforge_records(
         raise ValueError(f"max_length must be >= 1, got {max_length}")
     src_root = src if os.path.isdir(src) else os.path.dirname(src)
     writer = None
+    ok = False
     try:
         for index, path in enumerate(tqdm(files, desc="import", unit="sample", disable=not progress)):
             ids, mask, hidden = _read_record(path, width, len(target_layer_ids), hidden_size, max_length)
@@ -103,14 +104,21 @@ def import_specforge_records(
                     dtype=store_dtype, source="specforge-import", overwrite=overwrite,
                 )  # fmt: skip
             writer.add(f"{index:08d}", ids, mask, hidden, source_file=os.path.relpath(path, src_root))
+        ok = True
     finally:
-        if writer is not None:
-            writer.close()  # the samples converted so far are complete; keep them listed
+        if writer is not None and ok:
+            writer.close()
+        elif writer is not None and writer.manifest.samples:
+            writer.close(complete=False)  # listed but marked incomplete: readers refuse it, --overwrite replaces it
+        elif writer is not None:
+            writer.discard()  # nothing converted: leave nothing
     return writer.manifest
 
 
 def _read_record(path: str, width: int, n_layers: int, hidden_size: int, max_length: int | None):
     raw = load_specforge_record(path)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: holds a {type(raw).__name__}, not a DFlash record (a dict of tensors)")
     missing = [k for k in ("input_ids", "loss_mask", "hidden_states") if k not in raw]
     if missing:
         raise ValueError(
@@ -119,6 +127,13 @@ def _read_record(path: str, width: int, n_layers: int, hidden_size: int, max_len
     ids = _one_row(raw["input_ids"], "input_ids", path, 1)[:max_length]
     mask = _one_row(raw["loss_mask"], "loss_mask", path, 1)[:max_length]
     hidden = _one_row(raw["hidden_states"], "hidden_states", path, 2)[:max_length]
+    for name, t in (("input_ids", ids), ("loss_mask", mask)):
+        if t.is_floating_point() or t.is_complex():
+            raise ValueError(f"{path}: {name} has dtype {str(t.dtype).replace('torch.', '')}; it must hold integers")
+    if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError(f"{path}: loss_mask must hold only 0 and 1")
+    if not hidden.is_floating_point():
+        raise ValueError(f"{path}: hidden_states has dtype {str(hidden.dtype).replace('torch.', '')}; it must be float")
     if hidden.shape[1] != width:
         raise ValueError(
             f"{path}: feature width {hidden.shape[1]} != len(target_layer_ids) x hidden_size = "

@@ -19,14 +19,19 @@ Under CSBP a rank holds only its zigzag shard of the context, so it reads only t
 `read_intervals` goes through safetensors' `safe_open(...).get_slice(name)[lo:hi]`, which maps the file and
 copies out only the requested rows. Tokens and loss mask are small and read whole.
 
-Writes are atomic (temporary file + rename) for sample files and the manifest alike, so a crashed capture
-leaves a store whose manifest lists only complete samples.
+Writes are atomic (temporary file + rename) for sample files and the manifest alike. The manifest is
+written when the store is created, with `complete: false`, and marked complete only when the writer closes
+without an error; so a capture or import that was killed, stopped by SIGTERM or failed halfway leaves a
+store that `--resume` continues and `--overwrite` replaces, and that a reader refuses (it never looks
+complete). A failed run that stored nothing leaves nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import threading
 import time
 from collections.abc import Sequence
 
@@ -47,7 +52,7 @@ from .manifest import (
 
 __all__ = ["VERIFY_MODES", "FeatureStore", "FeatureStoreWriter", "check_out_dir"]
 
-VERIFY_MODES = ("full", "trust")
+VERIFY_MODES = ("full", "lazy", "trust")
 _SAMPLES_DIR = "samples"
 _HIDDEN, _IDS, _MASK = "hidden_states", "input_ids", "loss_mask"
 
@@ -91,15 +96,23 @@ class FeatureStoreWriter:
         except ValidationError as err:
             raise ValueError(_pydantic_error(err)) from None
         self.root = root
-        if resume and os.path.isfile(os.path.join(root, MANIFEST_NAME)):
+        self._resumed = resume and os.path.isfile(os.path.join(root, MANIFEST_NAME))
+        if self._resumed:
             self.manifest = _resumable(root, self.manifest)
         else:
             _prepare_root(root, overwrite)
+        self._created_root = not os.path.exists(root)
         os.makedirs(os.path.join(root, _SAMPLES_DIR), exist_ok=True)
         self._dtype = getattr(torch, dtype)
-        self._ids = {s.id for s in self.manifest.samples}
+        self._ids = {s.id: s for s in self.manifest.samples}
         self._closed = False
+        self.manifest.complete = False  # until close(): an interrupted store is resumable, never "complete"
+        self._write_manifest()
         self._flush_every_s, self._flushed_at = flush_every_s, time.monotonic()
+
+    def entry(self, sample_id: str) -> SampleEntry | None:
+        """The stored entry of `sample_id` (None when absent)."""
+        return self._ids.get(str(sample_id))
 
     def has(self, sample_id: str) -> bool:
         return str(sample_id) in self._ids
@@ -112,6 +125,7 @@ class FeatureStoreWriter:
         hidden_states: torch.Tensor,
         *,
         source_file: str | None = None,
+        record_sha256: str | None = None,
     ) -> SampleEntry:
         """Write one sample file atomically and record it; hidden_states is cast to the store dtype."""
         if self._closed:
@@ -148,6 +162,7 @@ class FeatureStoreWriter:
             entry = SampleEntry(
                 id=sample_id, file=rel, length=length, num_loss_tokens=int(tensors[_MASK].sum()),
                 nbytes=os.path.getsize(tmp), sha256=file_sha256(tmp), source_file=source_file,
+                first_anchor=_first_anchor(tensors[_MASK]), record_sha256=record_sha256,
             )  # fmt: skip
             os.replace(tmp, path)
         except BaseException:
@@ -155,7 +170,7 @@ class FeatureStoreWriter:
                 os.remove(tmp)
             raise
         self.manifest.samples.append(entry)
-        self._ids.add(sample_id)
+        self._ids[sample_id] = entry
         if time.monotonic() - self._flushed_at >= self._flush_every_s:
             self._write_manifest()
         return entry
@@ -164,19 +179,40 @@ class FeatureStoreWriter:
         write_json_atomic(os.path.join(self.root, MANIFEST_NAME), self.manifest.model_dump(mode="json"))
         self._flushed_at = time.monotonic()
 
-    def close(self) -> StoreManifest:
-        """Write the manifest (atomically). Idempotent."""
+    def close(self, complete: bool = True) -> StoreManifest:
+        """Write the manifest (atomically), marked complete unless `complete=False`. Idempotent."""
         if not self._closed:
+            self.manifest.complete = complete
             self._write_manifest()
             self._closed = True
         return self.manifest
 
+    def discard(self) -> None:
+        """Remove what this writer created (a failed run that stored nothing leaves nothing)."""
+        self._closed = True
+        if self._created_root:
+            shutil.rmtree(self.root, ignore_errors=True)
+        else:
+            shutil.rmtree(os.path.join(self.root, _SAMPLES_DIR), ignore_errors=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.root, MANIFEST_NAME))
+
     def __enter__(self) -> FeatureStoreWriter:
         return self
 
-    def __exit__(self, *exc) -> None:
-        # On an error the samples written so far are still complete; record them so the work is not lost.
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.close()
+        elif not self.manifest.samples and not self._resumed:
+            self.discard()
+        else:  # keep the finished samples for --resume; the store stays marked incomplete
+            self.close(complete=False)
+
+
+def _first_anchor(loss_mask: torch.Tensor) -> int | None:
+    m = loss_mask.reshape(-1) > 0
+    hits = (m[:-1] & m[1:]).nonzero()
+    return int(hits[0]) if hits.numel() else None
 
 
 def check_out_dir(root: str, overwrite: bool) -> bool:
@@ -190,10 +226,17 @@ def check_out_dir(root: str, overwrite: bool) -> bool:
         return False
     if not overwrite:
         raise ValueError(f"out: {root} already exists and is not empty (pass --overwrite to replace a store)")
-    if MANIFEST_NAME not in entries:
+    if MANIFEST_NAME not in entries and not _only_sample_files(root, entries):
         # Never delete a directory this package did not create.
         raise ValueError(f"out: {root} is not empty and holds no {MANIFEST_NAME}; refusing to overwrite it")
     return True
+
+
+def _only_sample_files(root: str, entries: list[str]) -> bool:
+    """A store killed before its first manifest write: only samples/ holding sample files."""
+    if entries != [_SAMPLES_DIR] or not os.path.isdir(os.path.join(root, _SAMPLES_DIR)):
+        return False
+    return all(".safetensors" in n for n in os.listdir(os.path.join(root, _SAMPLES_DIR)))
 
 
 def _resumable(root: str, new: StoreManifest) -> StoreManifest:
@@ -222,7 +265,8 @@ def _resumable(root: str, new: StoreManifest) -> StoreManifest:
 
 def _prepare_root(root: str, overwrite: bool) -> None:
     if check_out_dir(root, overwrite):
-        os.remove(os.path.join(root, MANIFEST_NAME))
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(root, MANIFEST_NAME))
         shutil.rmtree(os.path.join(root, _SAMPLES_DIR), ignore_errors=True)
 
 
@@ -231,7 +275,12 @@ class FeatureStore:
 
     verify="full"   sha256 of every file against the manifest (reads every byte once; do it once after
                     capture or copying, e.g. on one rank before training)
-    verify="trust"  existence and size only (a stat per file; what each rank of a long-context run uses)
+    verify="lazy"   existence and size now; each file's sha256 once, at its first read (in whichever thread
+                    reads it: the prefetch thread of a drafter run), so a flipped byte stops the run at the
+                    sample, naming the file, and costs one extra pass over each file per run
+    verify="trust"  existence and size only (a stat per file)
+
+A store whose capture or import did not finish (`complete: false`) is refused.
 
     Corrupted or missing files raise a one-line ValueError naming the file.
     """
@@ -244,11 +293,21 @@ class FeatureStore:
         if not os.path.isfile(path):
             raise ValueError(f"store: missing {path} (not a feature store, or its capture never finished)")
         try:
-            with open(path) as f:
+            with open(path, encoding="utf-8", errors="replace") as f:
                 self.manifest = StoreManifest.model_validate_json(f.read())
         except ValidationError as err:
             raise ValueError(f"store: {path}: {_pydantic_error(err)}") from None
+        if not self.manifest.complete:
+            raise ValueError(
+                f"store: {root} is incomplete (its {self.manifest.source} stopped after "
+                f"{len(self.manifest.samples)} samples); "
+                + ("finish it with `capture --resume` or replace it with `capture --overwrite`"
+                   if self.manifest.source == "capture" else "rerun `import-specforge` with --overwrite")
+            )
         self._entries = {s.id: s for s in self.manifest.samples}
+        self._lazy = verify == "lazy"
+        self._verified: set[str] = set()
+        self._lock = threading.Lock()
         for entry in self.manifest.samples:
             self._check_file(entry, full=verify == "full")
 
@@ -343,6 +402,11 @@ class FeatureStore:
 
     def _open(self, entry: SampleEntry):
         path = self._path(entry)
+        if self._lazy and entry.id not in self._verified:
+            with self._lock:
+                if entry.id not in self._verified:
+                    self._check_file(entry, full=True)
+                    self._verified.add(entry.id)
         try:
             return safe_open(path, framework="pt")
         except (SafetensorError, OSError) as err:

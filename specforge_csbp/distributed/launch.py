@@ -288,8 +288,12 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, timeou
         peer = isinstance(err, getattr(dist, "DistBackendError", ())) or any(
             s in str(err) for s in _PEER_ERRORS
         )
-        _write(err_file, kind="exception", rank=rank, type=type(err).__name__, message=str(err),
-               value_error=isinstance(err, ValueError), peer=peer, traceback=traceback.format_exc())  # fmt: skip
+        from ..errors import is_user_error, one_line
+
+        user = not peer and is_user_error(err)  # bad input, a file, disk full: comes back as one line
+        _write(err_file, kind="exception", rank=rank, type=type(err).__name__,
+               message=one_line(err) if user else str(err), value_error=user, peer=peer,
+               traceback=traceback.format_exc())  # fmt: skip
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)  # no teardown: a blocked peer must not keep this rank alive

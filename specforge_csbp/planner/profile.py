@@ -168,13 +168,25 @@ def load_profile(name_or_path: str | os.PathLike) -> MachineProfile:
     if str(name_or_path) in BUILTIN_PROFILES:
         text = resources.files(__package__).joinpath(f"profiles/{name_or_path}.json").read_text()
     else:
-        try:
-            text = Path(name_or_path).read_text()
-        except FileNotFoundError:
+        if not Path(name_or_path).exists():
             raise ValueError(
                 f"profile: {name_or_path} is neither a file nor a built-in ({', '.join(BUILTIN_PROFILES)})"
-            ) from None
-    return MachineProfile.model_validate(json.loads(text))
+            )
+        from ..errors import read_text
+
+        text = read_text(name_or_path, "profile")
+    from pydantic import ValidationError
+
+    from ..errors import one_line
+
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"profile: {name_or_path}:{err.lineno}:{err.colno} is not valid JSON ({err.msg})") from None
+    try:
+        return MachineProfile.model_validate(data)
+    except ValidationError as err:
+        raise ValueError(f"profile: {name_or_path}: {one_line(err)}") from None
 
 
 # -- calibration ----------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ Only what the cost model needs: per-layer GEMM widths, attention heads, vocabula
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, replace
 from typing import Any
@@ -94,13 +93,11 @@ def load_shape(config: str | os.PathLike | dict[str, Any], *, workload: str | No
     if isinstance(config, dict):
         cfg = config
     else:
-        try:
-            with open(config) as f:
-                cfg = json.load(f)
-        except FileNotFoundError:
-            raise ValueError(f"model: config file {path} not found") from None
-        except json.JSONDecodeError as err:
-            raise ValueError(f"model: {path} is not JSON ({err.msg}, line {err.lineno})") from None
+        from ..errors import load_json
+
+        cfg = load_json(config, "model")  # missing, a directory, not UTF-8, not JSON: one line with file:line
+        if not isinstance(cfg, dict):
+            raise ValueError(f"model: {path} must hold a JSON object (a model config)")
     if "text_config" in cfg:  # multimodal wrappers keep the LM in text_config
         cfg = {**cfg["text_config"], **{k: v for k, v in cfg.items() if k in ("dflash_config", "architectures")}}
     hidden = int(_get(cfg, "hidden_size", path))

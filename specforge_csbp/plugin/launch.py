@@ -17,10 +17,11 @@ so every worker re-derives the same run from the same file without the hook.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
+from ..errors import is_user_error, one_line
+from ..distributed import relay
 from .options import PreparedRun, prepare_run
 
 __all__ = ["TORCHRUN_PREFIX", "WORKER_PREFIX", "add_train_arguments", "preflight", "run", "train_main"]
@@ -68,23 +69,32 @@ def train_main(argv: list[str], *, prog: str = "specforge-csbp train") -> int:
 
 
 def _draft_config_dict(path: str) -> dict | None:
+    from ..errors import load_json
+
     src = path if path.endswith(".json") else os.path.join(path, "config.json")
     if not os.path.isfile(src):
         return None
-    with open(src, encoding="utf-8") as f:
-        return json.load(f)
+    return load_json(src, "model.draft_model_config")
 
 
 def preflight(prepared: PreparedRun) -> None:
-    """Cheap cross-checks in the launching process, so a bad store / config fails before any worker starts."""
-    from ..data.manifest import MANIFEST_NAME, StoreManifest
+    """Cheap cross-checks in the launching process, so a bad store / config / checkpoint / output directory
+    fails before any worker starts (specforge_csbp/preflight.py holds the shared checks)."""
+    from ..data.store import FeatureStore
+    from ..preflight import check_local_path, check_store_trainable, check_writable_dir
     from .data import check_store_path
 
     cfg = prepared.config
+    check_writable_dir(cfg.output_dir, "output_dir")
+    for field, value in (("model.target_model_path", cfg.model.target_model_path),
+                         ("model.draft_model_config", cfg.model.draft_model_config),
+                         ("model.draft_checkpoint_path", cfg.model.draft_checkpoint_path),
+                         ("training.resume_from", cfg.training.resume_from)):  # fmt: skip
+        check_local_path(value, field)
     path = cfg.data.hidden_states_path
     check_store_path(path)
-    with open(os.path.join(path, MANIFEST_NAME), encoding="utf-8") as f:
-        manifest = StoreManifest.model_validate_json(f.read())
+    store = FeatureStore(path, verify="trust")
+    manifest = store.manifest
     draft = _draft_config_dict(cfg.model.draft_model_config) if cfg.model.draft_model_config else None
     ids = (draft or {}).get("dflash_config", {}).get("target_layer_ids")
     if ids is not None and [int(i) for i in ids] != list(manifest.target_layer_ids):
@@ -97,6 +107,36 @@ def preflight(prepared: PreparedRun) -> None:
         raise ValueError(
             f"data.hidden_states_path: the feature store holds hidden size {manifest.hidden_size} but "
             f"model.draft_model_config has hidden_size {hidden}"
+        )
+    _check_target(cfg.model.target_model_path, manifest)
+    if "LOCAL_RANK" in os.environ:
+        return  # a torchrun worker: its launcher ran the checks below (they read files: once per run)
+    check_store_trainable(store, int(cfg.data.max_length))
+    if draft is not None:
+        from .checkpoints import check_resume_config, check_warm_start
+
+        if cfg.model.draft_checkpoint_path:
+            check_warm_start(cfg.model.draft_checkpoint_path, draft)
+        if cfg.training.resume_from:
+            check_resume_config(cfg.training.resume_from, draft)
+
+
+def _check_target(target_path: str, manifest) -> None:
+    """The target's config must be the one the store was captured from (hash of its config.json)."""
+    from ..data.manifest import config_hash
+
+    if manifest.target.config_sha256 is None or not target_path or not os.path.exists(target_path):
+        return  # a hub name: resolved (and checked) in the workers
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(target_path)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"model.target_model_path: cannot read the config of {target_path} ({err})") from None
+    if config_hash(config) != manifest.target.config_sha256:
+        raise ValueError(
+            f"model.target_model_path={target_path}: its config is not the one the feature store "
+            f"(data.hidden_states_path) was captured from ({manifest.target.name}); use that target or recapture"
         )
 
 
@@ -130,8 +170,10 @@ def run(args: argparse.Namespace, *, prog: str) -> int:
             overrides=list(prepared.forward_overrides), requested_role=args.role, node_rank=args.node_rank,
             worker_prefix=WORKER_PREFIX, torchrun_prefix=TORCHRUN_PREFIX,
         )  # fmt: skip
-    except ValueError as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
+    except Exception as err:
+        if not is_user_error(err):
+            raise
+        print(f"{prog}: error: {one_line(err)}", file=sys.stderr)
         return 2
     if args.plan:
         print(_layout_line(prepared))
@@ -141,7 +183,11 @@ def run(args: argparse.Namespace, *, prog: str) -> int:
         print(_layout_line(prepared), flush=True)
         from specforge.launch_plan import run_commands
 
-        return run_commands(plan)
+        with relay.error_dir() as errors:
+            rc = run_commands(plan)
+            if rc != 0:  # the workers' own one line, last, after torchrun's ChildFailedError block
+                print(f"{prog}: error: {relay.root_cause(errors, rc)}", file=sys.stderr, flush=True)
+        return rc
     if "LOCAL_RANK" not in os.environ:  # a one-rank run in the launching process (not a torchrun worker)
         print(_layout_line(prepared), flush=True)
     return _run_worker(resolved, plan, prepared, prog)
@@ -162,8 +208,11 @@ def _run_worker(resolved, plan, prepared: PreparedRun, prog: str) -> int:
             _train(bind_run(role_config, resolved.algorithm), prepared)
     except _WorkerTermination as received:
         return 128 + received.signum
-    except ValueError as err:  # configuration problems found while assembling: one line, no traceback
-        print(f"{prog}: error: {err}", file=sys.stderr)
+    except Exception as err:
+        relay.record(err)  # for the launcher, which prints it as the last line
+        if not is_user_error(err):
+            raise
+        print(f"{prog}: error: {one_line(err)}", file=sys.stderr)  # configuration problems: one line
         return 2
     return 0
 

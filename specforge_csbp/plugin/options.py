@@ -48,7 +48,7 @@ _DFLASH_FAMILY_NOT_IN_CSBP = ("domino", "dspark")
 class CSBPOptions(BaseModel):
     """The `csbp:` section of a run config."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     cp_size: int | None = Field(default=None, ge=1, description="ranks sharing one sample's context")
     dp_replicas: int | None = Field(default=None, ge=1, description="data-parallel copies of the CP group")
@@ -142,18 +142,12 @@ def _drop_auto(section: dict) -> None:
 
 
 def _read_raw(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            if path.endswith((".yaml", ".yml")):
-                import yaml
+    from ..errors import load_json, load_yaml
 
-                raw = yaml.safe_load(f)
-            else:
-                raw = json.load(f)
-    except FileNotFoundError:
-        raise ValueError(f"--config: {path} does not exist") from None
-    except Exception as err:  # noqa: BLE001 - yaml / json syntax
-        raise ValueError(f"--config: cannot parse {path}: {str(err).splitlines()[0]}") from None
+    if os.path.isfile(path) or os.path.isdir(path):
+        raw = (load_yaml if path.endswith((".yaml", ".yml")) else load_json)(path, "--config")
+    else:
+        raise ValueError(f"--config: {path} does not exist")
     if not isinstance(raw, dict):
         raise ValueError(f"--config: {path} must hold a mapping with model/data/training sections")  # noqa: TRY004
     return raw
@@ -224,6 +218,10 @@ def prepare_run(
     except ValidationError as err:
         raise ValueError(one_line(err)) from None
 
+    from ..preflight import check_finite
+
+    check_finite(options.model_dump(), "csbp")
+    check_finite(cfg.model_dump())  # pydantic's gt/ge bounds let inf through (learning_rate: inf)
     forward = list(spec_overrides)
     if csbp:
         strategy = _translate_strategy(cfg.training.strategy)

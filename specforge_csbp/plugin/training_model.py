@@ -104,7 +104,7 @@ class CSBPDrafterTrainingModel(nn.Module):
         if self._store is None:
             from ..data.store import FeatureStore
 
-            self._store = FeatureStore(self.store_path, verify="trust")
+            self._store = FeatureStore(self.store_path, verify="lazy")
         return self._store
 
     def _gather_indices(

@@ -33,6 +33,7 @@ __all__ = [
     "latest_checkpoint",
     "load_trainer_state",
     "save_checkpoint",
+    "verify_checkpoint",
 ]
 
 MANIFEST = "manifest.json"
@@ -65,10 +66,17 @@ def _files(root: Path) -> dict[str, int]:
     }
 
 
+def _sha256(path: Path) -> str:
+    from ..data.manifest import file_sha256
+
+    return file_sha256(str(path))
+
+
 def _seal(tmp: Path, step: int) -> None:
-    """Write the manifest (every file and its size) and flush everything to disk."""
+    """Write the manifest (every file, its size and sha256) and flush everything to disk."""
     files = _files(tmp)
-    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
+    sha256 = {rel: _sha256(tmp / rel) for rel in files}  # read back from the page cache: cheap
+    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files, "sha256": sha256}, indent=1))
     for rel in [*files, MANIFEST]:
         _fsync(tmp / rel)
     _fsync(tmp)
@@ -108,10 +116,14 @@ def save_checkpoint(
     final = out / _name(step)
     tmp = out / f".{_name(step)}.tmp"
     tmp.mkdir()
-    write_model(tmp)
-    torch.save(optimizer_state, tmp / "optimizer.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1, default=str))
-    _seal(tmp, step)
+    try:
+        write_model(tmp)
+        torch.save(optimizer_state, tmp / "optimizer.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1, default=str))
+        _seal(tmp, step)
+    except Exception:  # disk full, I/O error: free the space now; `latest` still names the last checkpoint
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():  # a complete checkpoint of this step from a run that `latest` no longer names
         old = out / f".{_name(step)}.old.tmp"
         os.replace(final, old)
@@ -148,6 +160,19 @@ def latest_checkpoint(output_dir: str | Path | None) -> Path | None:
             f"complete step_* directory or use a new train.output_dir"
         )
     return path
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Content check before a resume reads the checkpoint: every file's sha256 against the manifest (a
+    checkpoint sealed before hashes were recorded is checked by size only). One line naming the file."""
+    manifest = json.loads((path / MANIFEST).read_text())
+    for rel, digest in manifest.get("sha256", {}).items():
+        if _sha256(path / rel) != digest:
+            raise ValueError(
+                f"train.output_dir: checkpoint file {path / rel} is corrupted (sha256 differs from its "
+                f"{MANIFEST}); point {path.parent / _POINTER} at an intact step_* directory or use a new "
+                "train.output_dir"
+            )
 
 
 def load_trainer_state(path: Path) -> dict[str, Any]:

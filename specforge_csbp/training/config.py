@@ -31,7 +31,8 @@ R = TypeVar("R", bound=BaseModel)
 class Section(BaseModel):
     """A recipe section: unknown fields are errors, values are validated on assignment too."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: a bound such as lr > 0 lets inf through; no recipe float may be NaN or inf
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ParallelConfig(Section):
@@ -160,12 +161,9 @@ def load_recipe(cls: type[R], path: str | Path | None, overrides: list[str] = ()
     """YAML file (optional) + overrides -> validated recipe; ValueError with one line on any problem."""
     data: dict[str, Any] = {}
     if path is not None:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text())
-        except OSError as err:
-            raise ValueError(f"config: cannot read {path}: {err.strerror}") from None
-        except yaml.YAMLError as err:
-            raise ValueError(f"config: {path} is not valid YAML: {str(err).splitlines()[0]}") from None
+        from ..errors import load_yaml
+
+        loaded = load_yaml(path, "config")  # one line naming the file and the line of a YAML or UTF-8 error
         if loaded is not None and not isinstance(loaded, dict):
             raise ValueError(f"config: {path} must hold a mapping of sections")
         data = loaded or {}

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .checkpoint import checkpoint_step, latest_checkpoint
+from ..preflight import check_writable_dir
+from .checkpoint import checkpoint_step, latest_checkpoint, verify_checkpoint
 
 if TYPE_CHECKING:
     from .config import TrainConfig
@@ -30,8 +31,7 @@ def check_output_dir(train: TrainConfig) -> Path | None:
     if train.output_dir is None:
         return None
     out = Path(train.output_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"train.output_dir: {out} is a file; it must be a directory (created when missing)")
+    check_writable_dir(out, "train.output_dir")  # a file, a file on its path, read-only: before any step
     latest = latest_checkpoint(out)  # a pointer to an incomplete checkpoint is an error in any case
     if not train.resume:
         held = latest or next((p for p in sorted(out.glob("step_*")) if checkpoint_step(p) is not None), None)
@@ -41,6 +41,8 @@ def check_output_dir(train: TrainConfig) -> Path | None:
                 f"set train.resume=true to continue that run or use a new train.output_dir"
             )
         return None
+    if latest is not None:
+        verify_checkpoint(latest)  # a flipped byte is refused before it is loaded
     return latest
 
 

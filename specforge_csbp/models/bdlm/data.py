@@ -55,19 +55,22 @@ class SyntheticSource:
 class JsonlSource:
     def __init__(self, path: str | Path, *, seq_len: int, pad_token_id: int, vocab_size: int):
         self.records: list[tuple[list[int], list[int]]] = []
-        try:
-            lines = Path(path).read_text().splitlines()
-        except OSError as err:
-            raise ValueError(f"data.path: cannot read {path}: {err.strerror}") from None
-        for n, line in enumerate(lines, 1):
+        from ...errors import read_lines
+
+        for n, line in read_lines(path, "data.path"):  # not UTF-8: one line naming file and line
             if not line.strip():
                 continue
             try:
                 item = json.loads(line)
-                ids = [int(t) for t in item["input_ids"]]
-                mask = [int(bool(m)) for m in item.get("loss_mask", [1] * len(ids))]
+                ids, mask = item["input_ids"], item.get("loss_mask", [1] * len(item["input_ids"]))
+                if not isinstance(ids, list) or not isinstance(mask, list):
+                    raise TypeError("input_ids and loss_mask must be lists")
             except (ValueError, KeyError, TypeError) as err:
                 raise ValueError(f"data.path: {path}:{n} needs an input_ids list ({err})") from None
+            if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):  # 3.7 would become 3 silently
+                raise ValueError(f"data.path: {path}:{n} input_ids must be integers; got {ids[:8]}")
+            if any(m not in (0, 1) or isinstance(m, float) for m in mask):
+                raise ValueError(f"data.path: {path}:{n} loss_mask must hold 0 or 1; got {mask[:8]}")
             if len(mask) != len(ids):
                 raise ValueError(
                     f"data.path: {path}:{n} loss_mask has {len(mask)} entries, input_ids {len(ids)}"

@@ -1,0 +1,170 @@
+"""One formatter for the errors a user can cause, and readers that say where a file is bad.
+
+Every `specforge-csbp` entry point (cli/main.py, the drafter launcher and its workers) turns an exception
+into the one line it prints with `one_line`:
+
+    ValueError / pydantic ValidationError   the message, or the first pydantic error as `loc: msg`
+    OSError (ENOSPC, EACCES, ENOENT, ...)    `cannot write FILE: No space left on device (disk full) ...`
+    yaml / json / UTF-8 decode errors         `FILE:LINE:COL ...` (readers below add the file)
+    safetensors errors                        `FILE: not a complete safetensors file (...)`
+
+`is_user_error` says which exceptions are the user's (printed as one line, exit 2) and which are bugs
+(tracebacks). The readers (`read_text`, `read_lines`, `load_json`, `load_yaml`) are what entry points use
+to read a user's text file: a missing file, a directory, non-UTF-8 bytes, bad JSON or YAML all become a
+one-line ValueError naming the field, the file and the line.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = [
+    "is_user_error",
+    "load_json",
+    "load_yaml",
+    "one_line",
+    "read_lines",
+    "read_text",
+]
+
+_DISK_FULL = ("No space left on device", "StorageFull", "Disk quota exceeded")
+
+
+def _flat(text: str) -> str:
+    """Collapse a multi-line message into one line (first line kept whole, the rest joined)."""
+    parts = [p.strip() for p in str(text).splitlines() if p.strip()]
+    return "; ".join(parts) if len(parts) <= 3 else "; ".join(parts[:3]) + " ..."
+
+
+def _os_error(err: OSError) -> str:
+    where = err.filename or ""
+    if err.filename2:
+        where = f"{where} -> {err.filename2}"
+    reason = err.strerror or str(err) or type(err).__name__
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"cannot write {where or 'the output'}: {reason} (disk full); free space or choose another "
+                "output directory, then rerun (with --resume where the command has it)")  # fmt: skip
+    if err.errno == errno.EISDIR:
+        return f"{where}: is a directory where a file is expected"
+    if err.errno == errno.ENOTDIR:
+        return f"{where}: a part of this path is a file where a directory is expected"
+    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"{where}: {reason} (check the path's permissions, or choose another path)"
+    return f"{where}: {reason}" if where else _flat(reason)
+
+
+def one_line(err: BaseException) -> str:
+    """The one line a user sees for `err` (no type names unless they are the only information)."""
+    from pydantic import ValidationError
+
+    if isinstance(err, ValidationError):
+        from .training.config import format_validation_error
+
+        return _flat(format_validation_error(err))
+    if isinstance(err, UnicodeDecodeError):
+        return f"not UTF-8 text (byte {err.object[err.start:err.start + 1]!r} at offset {err.start})"
+    if isinstance(err, json.JSONDecodeError):
+        return f"line {err.lineno} column {err.colno}: not valid JSON ({err.msg})"
+    if isinstance(err, OSError):
+        return _os_error(err)
+    text = str(err)
+    if any(m in text for m in _DISK_FULL):
+        return f"disk full while writing ({_flat(text)}); free space or choose another output directory"
+    if type(err).__name__ == "SafetensorError":
+        return f"not a complete safetensors file ({_flat(text)})"
+    try:
+        import yaml
+
+        if isinstance(err, yaml.YAMLError):
+            return _yaml_message(err)
+    except ImportError:  # pragma: no cover - yaml is a dependency
+        pass
+    return _flat(text) or type(err).__name__
+
+
+def is_user_error(err: BaseException) -> bool:
+    """Errors that a user's input or machine causes (one line), as opposed to bugs (a traceback)."""
+    if isinstance(err, (ValueError, OSError)):
+        return True
+    name = type(err).__name__
+    if name in ("SafetensorError", "YAMLError") or any(m in str(err) for m in _DISK_FULL):
+        return True
+    try:
+        import yaml
+
+        return isinstance(err, yaml.YAMLError)
+    except ImportError:  # pragma: no cover
+        return False
+
+
+def _yaml_message(err) -> str:
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    problem = getattr(err, "problem", None) or _flat(str(err))
+    context = getattr(err, "context", None)
+    where = f"line {mark.line + 1} column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{problem}" + (f" ({context})" if context else "")
+
+
+def _check_file(path: str | os.PathLike, field: str) -> str:
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ValueError(f"{field}: {path} is a directory; give a file")
+    if not os.path.exists(path):
+        raise ValueError(f"{field}: cannot read {path}: No such file or directory")
+    return path
+
+
+def read_text(path: str | os.PathLike, field: str) -> str:
+    """The whole file as UTF-8; one-line ValueError naming `field`, the file and the line of a bad byte."""
+    path = _check_file(path, field)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as err:
+        raise ValueError(f"{field}: cannot read {path}: {err.strerror}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise ValueError(f"{field}: {path}:{line} is not UTF-8 text (byte {data[err.start:err.start + 1]!r}); "
+                         "convert the file to UTF-8") from None  # fmt: skip
+
+
+def read_lines(path: str | os.PathLike, field: str) -> Iterator[tuple[int, str]]:
+    """(1-based line number, text) of every line, decoded as UTF-8 one line at a time (streams large files)."""
+    path = _check_file(path, field)
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below; a generator cannot use `with` across yields safely
+    except OSError as err:
+        raise ValueError(f"{field}: cannot read {path}: {err.strerror}") from None
+    with f:
+        for n, raw in enumerate(f, 1):
+            try:
+                yield n, raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{field}: {path}:{n} is not UTF-8 text (byte {raw[err.start:err.start + 1]!r} "
+                                 f"at column {err.start + 1}); convert the file to UTF-8") from None  # fmt: skip
+
+
+def load_json(path: str | os.PathLike, field: str) -> Any:
+    """Parsed JSON of a file; one-line ValueError with `field`, file, line and column on any problem."""
+    text = read_text(path, field)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{field}: {os.fspath(path)}:{err.lineno}:{err.colno} is not valid JSON ({err.msg})") from None
+
+
+def load_yaml(path: str | os.PathLike, field: str) -> Any:
+    """Parsed YAML of a file; one-line ValueError with `field`, file and line on any problem."""
+    import yaml
+
+    text = read_text(path, field)
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ValueError(f"{field}: {os.fspath(path)} is not valid YAML: {_yaml_message(err)}") from None

@@ -1,0 +1,116 @@
+"""Up-front checks shared by every entry point: what can be known before a process starts, a model loads
+or a step runs is checked here, once, with one line naming the field and what is allowed.
+
+    check_writable_dir      an output directory: not a file, no file on its path, writable (created later)
+    check_input_file        an input that must be a file (not a directory, present)
+    check_finite            every float of a config (nested dicts/lists): no NaN, no +-inf
+    check_store_trainable   every feature-store sample keeps a DFlash anchor within data.max_length
+    check_outside           an output that must not live inside a directory another process rotates
+
+Used by `capture`, `import-specforge`, `export`, `report`, `train-bdlm` (training/validate.py) and the
+drafter launcher (plugin/launch.py `preflight`), so the same mistake gets the same message everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "check_finite",
+    "check_input_file",
+    "check_local_path",
+    "check_outside",
+    "check_store_trainable",
+    "check_writable_dir",
+]
+
+
+def check_writable_dir(path: str | os.PathLike, field: str) -> None:
+    """Raise unless `path` is, or can be created as, a writable directory. Creates nothing."""
+    path = os.path.abspath(os.fspath(path))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{field}: {path} is a file; it must be a directory (created when missing)")
+    probe = path
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        raise ValueError(f"{field}: {path} cannot be created: {probe} is a file, not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        what = "is not writable" if probe == path else f"cannot be created: {probe} is not writable"
+        raise ValueError(f"{field}: {path} {what}; choose a directory this user can write")
+
+
+def check_input_file(path: str | os.PathLike, field: str) -> str:
+    """`path` as a string; one-line error when it is missing or a directory."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ValueError(f"{field}: {path} is a directory; give a file")
+    if not os.path.isfile(path):
+        raise ValueError(f"{field}: {path} does not exist")
+    return path
+
+
+def check_local_path(path: str | None, field: str) -> None:
+    """A value that is written as a local path (absolute, ./, ../, ~) must exist; hub names ("org/name") pass."""
+    if not path or not str(path).startswith(("/", "./", "../", "~", "file://")):
+        return
+    local = os.path.expanduser(str(path).removeprefix("file://"))
+    if not os.path.exists(local):
+        raise ValueError(f"{field}: {path} does not exist (a local path; a hub model is written as org/name)")
+
+
+def check_finite(data: Any, prefix: str = "") -> None:
+    """Raise for the first float in `data` (a nested mapping / sequence) that is NaN or infinite."""
+    if isinstance(data, float):
+        if not math.isfinite(data):
+            raise ValueError(f"{prefix or 'value'}: {data} is not a finite number; give a finite value")
+    elif isinstance(data, Mapping):
+        for key, value in data.items():
+            check_finite(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
+        for i, value in enumerate(data):
+            check_finite(value, f"{prefix}[{i}]")
+
+
+def _first_anchor(loss_mask) -> int | None:
+    m = loss_mask.reshape(-1) > 0
+    hits = (m[:-1] & m[1:]).nonzero()
+    return int(hits[0]) if hits.numel() else None
+
+
+def check_store_trainable(store, max_length: int, field: str = "data.max_length") -> None:
+    """Every sample of `store` (a FeatureStore) must keep a valid DFlash anchor (two consecutive supervised
+    tokens) within its first `max_length` tokens, or the run fails when the sampler reaches it. Uses the
+    manifest's `first_anchor` where it is recorded; reads the (small) token tensors otherwise."""
+    bad: list[tuple[str, int | None]] = []
+    for entry in store.manifest.samples:
+        if entry.num_loss_tokens < 2:
+            continue  # never sampled: the reader filters samples with fewer than 2 supervised tokens
+        first = entry.first_anchor
+        if first is None:
+            first = _first_anchor(store.read_tokens(entry.id)[1])
+        if first is None or first + 2 > max_length:
+            bad.append((entry.id, first))
+    if bad:
+        sid, first = bad[0]
+        need = f"; data.max_length >= {first + 2} keeps it" if first is not None else ""
+        raise ValueError(
+            f"{field}: {len(bad)} of {len(store)} samples of the feature store {store.root} have no two "
+            f"consecutive supervised tokens within {field}={max_length} (first: sample {sid!r}{need}); raise "
+            f"{field} or capture the store with --max-length {max_length}"
+        )
+
+
+def check_outside(out: str | os.PathLike, field: str, rotated: str | os.PathLike, why: str) -> None:
+    """Raise when `out` is `rotated` or inside it (e.g. an export written into a checkpoint directory that
+    the trainer's checkpoint rotation deletes)."""
+    out_abs = os.path.realpath(os.fspath(out))
+    root = os.path.realpath(os.fspath(rotated))
+    if out_abs == root or out_abs.startswith(root.rstrip(os.sep) + os.sep):
+        raise ValueError(f"{field}: {out} is inside {rotated}, {why}; write it outside that directory")
