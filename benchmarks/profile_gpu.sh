@@ -35,7 +35,7 @@ eval)
 bdlm)
   stage 300 env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 \
     python3 benchmarks/profile_train.py --out $OUT/bdlm --wait 2 --active 2 --syncs -- \
-    train-bdlm -c benchmarks/configs/bdlm_qwen3-1.7b_64k.yaml train.steps=6
+    train-bdlm -c benchmarks/configs/bdlm_qwen3-1.7b_64k.yaml train.steps=6 train.activation_checkpointing=true
   ;;
 esac
 echo "== $(date -u +%T) done"
