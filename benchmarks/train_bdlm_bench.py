@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         "model": (recipe.model.config or {}).get("model_type", recipe.model.pretrained),
         "activation_checkpointing": recipe.train.activation_checkpointing, "steps": steps,
     }  # fmt: skip
+    if record["status"] != "ok":  # the trainer's own last error line, so a failed point says why
+        errors = [line for line in text.splitlines() if "Error" in line or "error:" in line]
+        record["error"] = errors[-1].strip()[:500] if errors else text.strip().splitlines()[-1:]
     with open(args.out, "a") as f:
         f.write(json.dumps(record) + "\n")
     print(json.dumps({k: v for k, v in record.items() if k != "steps"}), flush=True)
