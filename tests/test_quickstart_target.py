@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specforge_csbp.assets._build import _TOPICS
-from specforge_csbp.assets.grammar import MAX_SENTENCES, MIN_SENTENCES, TOPICS, conversation, conversations, walk
+from specforge_csbp.assets.grammar import TOPICS, answer_to, conversation, conversations
 from specforge_csbp.assets.target import TargetRecipe, _batch, build_target, greedy_answers, train_target
 
 
@@ -33,8 +33,7 @@ def test_grammar_is_seeded_and_follows_its_rule():
         user, answer = (m["content"] for m in conversation(rng)["messages"][-2:])
         last = _last_sentence(user)
         topic = next(t for t in TOPICS if last in _TOPICS[t])
-        nxt = _TOPICS[topic].index(last) + 1
-        assert any(answer == walk(topic, nxt, k) for k in range(MIN_SENTENCES, MAX_SENTENCES + 1))
+        assert answer == answer_to(topic, _TOPICS[topic].index(last)) and answer
     assert all(c["messages"][-1]["role"] == "user" for c in conversations(3, 10, with_answer=False))
 
 
@@ -95,6 +94,6 @@ def test_greedy_answers_continue_the_grammar(trained):
         assert a["messages"][:-1] == p["messages"] and a["messages"][-1]["role"] == "assistant"
         last = _last_sentence(p["messages"][-1]["content"])
         topic = next(t for t in TOPICS if last in _TOPICS[t])
-        expected = walk(topic, _TOPICS[topic].index(last) + 1, 1)
+        expected = answer_to(topic, _TOPICS[topic].index(last))
         hits += a["messages"][-1]["content"].split()[:4] == expected.split()[:4]
     assert hits >= 8  # chance: a 1-in-31 sentence guess

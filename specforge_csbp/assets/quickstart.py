@@ -42,14 +42,15 @@ def atomic_write_text(path: str, text: str) -> None:
 def build_data(
     target_dir: str, data_dir: str, *, seed: int, train_samples: int, eval_prompts: int, max_new_tokens: int
 ) -> tuple[str, str]:
-    """(train.jsonl, prompts.jsonl) under `data_dir`; regenerated only when the target or the counts change."""
+    """(train.jsonl, prompts.jsonl) under `data_dir`; rewritten only when the target or the counts change."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with open(os.path.join(target_dir, "build.json")) as f:
         target_key = json.load(f)["key"]
     recipe = {"target": target_key, "seed": seed, "train_samples": train_samples,
               "eval_prompts": eval_prompts, "max_new_tokens": max_new_tokens}  # fmt: skip
-    train, prompts, stamp = (os.path.join(data_dir, n) for n in ("train.jsonl", "prompts.jsonl", "build.json"))
+    names = ("train.jsonl", "prompts.jsonl", "build.json")
+    train, prompts, stamp = (os.path.join(data_dir, n) for n in names)
     if os.path.isfile(stamp) and os.path.isfile(train) and os.path.isfile(prompts):
         with open(stamp) as f:
             if json.load(f) == recipe:
@@ -61,16 +62,20 @@ def build_data(
     asked = conversations(seed + _TRAIN_SEED_OFFSET, train_samples, with_answer=False)
     answered = greedy_answers(model, tokenizer, asked, max_new_tokens=max_new_tokens)
     atomic_write_text(train, _dump(answered))
-    atomic_write_text(prompts, _dump(conversations(seed + _EVAL_SEED_OFFSET, eval_prompts, with_answer=False)))
+    held_out = conversations(seed + _EVAL_SEED_OFFSET, eval_prompts, with_answer=False)
+    atomic_write_text(prompts, _dump(held_out))
     atomic_write_text(stamp, json.dumps(recipe, indent=2) + "\n")
-    print(f"data: {train_samples} target-answered samples -> {train}; {eval_prompts} eval prompts -> {prompts}")
+    print(f"data: {train_samples} samples answered by the target -> {train}; "
+          f"{eval_prompts} held-out prompts -> {prompts}")  # fmt: skip
     return train, prompts
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specforge_csbp.assets.quickstart", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m specforge_csbp.assets.quickstart", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--out", required=True, help="run directory (target/ and data/ are written under it)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the target's weights, its data and the prompts")
+    p.add_argument("--seed", type=int, default=0, help="seed of the target, its data, the prompts")
     p.add_argument("--target-steps", type=int, default=TargetRecipe().steps, help="target training steps")
     p.add_argument("--train-samples", type=int, default=48, help="target-answered samples for the drafter")
     p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts for eval")
@@ -79,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("target_steps", "train_samples", "eval_prompts", "max_new_tokens"):
         if getattr(args, name) < 1:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    target = build_target(os.path.join(args.out, "target"), TargetRecipe(seed=args.seed, steps=args.target_steps))
+    recipe = TargetRecipe(seed=args.seed, steps=args.target_steps)
+    target = build_target(os.path.join(args.out, "target"), recipe)
     build_data(
         target, os.path.join(args.out, "data"), seed=args.seed, train_samples=args.train_samples,
         eval_prompts=args.eval_prompts, max_new_tokens=args.max_new_tokens,

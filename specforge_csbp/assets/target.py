@@ -27,17 +27,18 @@ from collections.abc import Sequence
 import torch
 
 from . import TINY_TARGET_DIR
-from .grammar import MAX_SENTENCES, conversations
+from .grammar import TOPICS, conversations
 
 __all__ = ["TargetRecipe", "build_target", "greedy_answers", "train_target"]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+_ROW = 128  # tokens per packed training row
 
 
 class TargetRecipe:
     """What fixes the trained weights; its `key` is stored in build.json and compared on reuse."""
 
-    def __init__(self, seed: int = 0, steps: int = 100, batch_size: int = 8, lr: float = 1e-2):
+    def __init__(self, seed: int = 0, steps: int = 120, batch_size: int = 8, lr: float = 1e-2):
         if steps < 0 or batch_size < 1 or not lr > 0:
             raise ValueError(
                 f"target recipe: need steps >= 0, batch_size >= 1, lr > 0; got {steps}, {batch_size}, {lr}"
@@ -47,8 +48,9 @@ class TargetRecipe:
     def as_dict(self) -> dict:
         return {
             "seed": self.seed, "steps": self.steps, "batch_size": self.batch_size, "lr": self.lr,
-            "grammar_max_sentences": MAX_SENTENCES, "config_sha256": _file_sha256("config.json"),
-            "tokenizer_sha256": _file_sha256("tokenizer.json"), "version": 1,
+            "grammar": ["chain-to-end", *TOPICS], "row_tokens": _ROW,
+            "config_sha256": _file_sha256("config.json"), "tokenizer_sha256": _file_sha256("tokenizer.json"),
+            "version": 1,
         }  # fmt: skip
 
     @property
@@ -74,6 +76,20 @@ def _batch(tokenizer, samples: Sequence[dict]) -> tuple[torch.Tensor, torch.Tens
         ids[i, : len(r)] = torch.tensor(r)
         mask[i, : len(r)] = 1
     return ids, mask, ids.masked_fill(mask == 0, -100)
+
+
+def _packed_rows(tokenizer, seed: int, rows: int) -> torch.Tensor:
+    """[rows, _ROW] token ids: rendered grammar conversations end to end, cut into rows (no padding).
+
+    Rows start mid-conversation and attend across conversation ends; the end-of-turn token and the
+    next <|im_start|> tell the model where one ends, as in packed pre-training."""
+    rng = random.Random(seed)
+    stream: list[int] = []
+    while len(stream) < rows * _ROW:
+        (sample,) = conversations(rng.getrandbits(32), 1)
+        rendered = tokenizer.apply_chat_template(sample["messages"], tokenize=True, return_dict=True)
+        stream += rendered["input_ids"]
+    return torch.tensor(stream[: rows * _ROW]).view(rows, _ROW)
 
 
 def train_target(recipe: TargetRecipe, *, log=print):
@@ -107,8 +123,8 @@ def train_target(recipe: TargetRecipe, *, log=print):
             loss = float("nan")
             start = time.perf_counter()
             for step in range(recipe.steps):
-                ids, mask, labels = _batch(tokenizer, conversations(rng_seed + step, recipe.batch_size))
-                out = model(input_ids=ids, attention_mask=mask, labels=labels)
+                ids = _packed_rows(tokenizer, rng_seed + step, recipe.batch_size)
+                out = model(input_ids=ids, labels=ids)
                 opt.zero_grad(set_to_none=True)
                 out.loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
