@@ -39,21 +39,25 @@ $PY -m specforge_csbp export --to sglang "$RUN/output" "$RUN/drafter-sglang" --o
 
 echo "== 5/5 eval: acceptance length (tau) on held-out prompts, trained drafter vs an untrained one"
 mkdir -p "$RUN/eval"
-EVAL=(--target "$RUN/target" --prompts "$RUN/data/prompts.jsonl" --num-prompts 8 --max-new-tokens 96 --device cpu --no-progress)
+EVAL=(--target "$RUN/target" --prompts "$RUN/data/prompts.jsonl" --num-prompts 8 --max-new-tokens 96 --device cpu
+      --no-progress)
 $PY -m specforge_csbp eval --drafter "$RUN/drafter-sglang" "${EVAL[@]}" --out "$RUN/eval/trained.json"
 $PY -m specforge_csbp eval --drafter "$RUN/drafter-sglang" "${EVAL[@]}" --untrained --out "$RUN/eval/untrained.json"
-
-$PY - "$RUN/eval" <<'PYEOF'
-import json, sys
-t, u = (json.load(open(f"{sys.argv[1]}/{n}.json")) for n in ("trained", "untrained"))
-print(f"\n{'drafter':<11}{'tau':>6}{'verify steps':>14}{'generated':>11}   (tau: tokens per target verify step, bonus included)")
-for name, r in (("untrained", u), ("trained", t)):
-    print(f"{name:<11}{r['tau']:>6.2f}{r['verify_steps']:>14}{r['generated_tokens']:>11}")
-print(f"trained / untrained tau: {t['tau'] / u['tau']:.2f}x  (block size {t['block_size']}: at most {t['block_size']} per step)")
-PYEOF
 
 echo
 echo "Done. Exported DFlash2 drafter: $(pwd)/$RUN/drafter-sglang   (provenance.json beside the weights)"
 echo "Serve it next to its target with SGLang:"
 echo "  python -m sglang.launch_server --model-path $(pwd)/$RUN/target --speculative-algorithm DFLASH \\"
 echo "      --speculative-draft-model-path $(pwd)/$RUN/drafter-sglang --speculative-num-draft-tokens 4 --trust-remote-code"
+
+# last lines: the trained drafter's tau beside the untrained one's
+$PY - "$RUN/eval" <<'PYEOF'
+import json, sys
+t, u = (json.load(open(f"{sys.argv[1]}/{n}.json")) for n in ("trained", "untrained"))
+print("\nAcceptance length on held-out prompts (tau: tokens per target verify step, bonus included):")
+print(f"{'drafter':<11}{'tau':>6}{'verify steps':>14}{'generated':>11}")
+for name, r in (("untrained", u), ("trained", t)):
+    print(f"{name:<11}{r['tau']:>6.2f}{r['verify_steps']:>14}{r['generated_tokens']:>11}")
+print(f"trained / untrained: {t['tau'] / u['tau']:.2f}x   (block size {t['block_size']}: at most "
+      f"{t['block_size']} tokens per step)")
+PYEOF
