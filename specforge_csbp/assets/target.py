@@ -64,7 +64,8 @@ def _file_sha256(name: str) -> str:
 
 
 def _batch(tokenizer, samples: Sequence[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded (input_ids, attention_mask, labels); labels are the ids, -100 on padding."""
+    """Right-padded (input_ids, attention_mask, labels) of whole conversations, -100 on padding (held-out
+    checks of a trained target; training itself packs rows, `_packed_rows`)."""
     rows = [
         list(tokenizer.apply_chat_template(s["messages"], tokenize=True, return_dict=True)["input_ids"])
         for s in samples
