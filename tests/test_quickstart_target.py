@@ -101,3 +101,20 @@ def test_greedy_answers_continue_the_grammar(trained):
         exact += a["messages"][-1]["content"] == expected
     assert hits >= 12  # chance: a 1-in-17 guess of the next sentence
     assert exact >= 5  # measured 7 of 16; a random target: 0
+
+
+def test_build_data_writes_answered_samples_and_held_out_prompts(tmp_path, capsys):
+    from specforge_csbp.assets.quickstart import build_data
+
+    target = build_target(str(tmp_path / "target"), TargetRecipe(seed=1, steps=1, batch_size=2), log=None)
+    kw = dict(seed=0, train_samples=3, eval_prompts=2, max_new_tokens=8)
+    train, prompts = build_data(target, str(tmp_path / "data"), **kw)
+    rows = [json.loads(line) for line in open(train)]
+    held = [json.loads(line) for line in open(prompts)]
+    assert len(rows) == 3 and all(r["messages"][-1]["role"] == "assistant" for r in rows)
+    assert len(held) == 2 and all(p["messages"][-1]["role"] == "user" for p in held)
+    mtime = os.stat(train).st_mtime_ns
+    build_data(target, str(tmp_path / "data"), **kw)  # same recipe: reused
+    assert os.stat(train).st_mtime_ns == mtime and "reusing" in capsys.readouterr().out
+    build_data(target, str(tmp_path / "data"), **dict(kw, train_samples=4))  # another count: rewritten
+    assert sum(1 for _ in open(train)) == 4
