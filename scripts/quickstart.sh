@@ -7,7 +7,7 @@
 #   3. train    `specforge train --csbp -c examples/quickstart.yaml`   (SpecForge's trainer, CSBP on 2 gloo ranks)
 #   4. export   the checkpoint as an SGLang DFLASH drafter directory (checked against SGLang's loader contract)
 #   5. eval     greedy speculative decoding on held-out prompts: tau of the trained drafter vs an untrained one
-# Everything goes to runs/quickstart/ (rerunning replaces it, except the cached target and data). About two
+# Everything goes to runs/quickstart/ (rerunning replaces it, except the cached target and data). A few
 # minutes on 2 CPU cores after set-up.
 set -euo pipefail
 cd "$(dirname "$0")/.."
