@@ -39,8 +39,7 @@ $PY -m specforge_csbp export --to sglang "$RUN/output" "$RUN/drafter-sglang" --o
 
 echo "== 5/5 eval: acceptance length (tau) on held-out prompts, trained drafter vs an untrained one"
 mkdir -p "$RUN/eval"
-EVAL=(--target "$RUN/target" --prompts "$RUN/data/prompts.jsonl" --num-prompts 8 --max-new-tokens 96 --device cpu
-      --no-progress)
+EVAL=(--target "$RUN/target" --prompts "$RUN/data/prompts.jsonl" --num-prompts 8 --max-new-tokens 96 --device cpu)
 $PY -m specforge_csbp eval --drafter "$RUN/drafter-sglang" "${EVAL[@]}" --out "$RUN/eval/trained.json"
 $PY -m specforge_csbp eval --drafter "$RUN/drafter-sglang" "${EVAL[@]}" --untrained --out "$RUN/eval/untrained.json"
 
