@@ -100,10 +100,12 @@ def make_document(spec: DocSpec, index: int) -> Document:
             n += span
         else:
             picks = rng.choice(SUCCESSORS, p=SUCCESSOR_P, size=int(rng.integers(*spec.filler_len))).tolist()
+            words = []
             for c in picks:
                 word = table[word][c]
-                out[n] = word
-                n += 1
+                words.append(word)
+            out[n : n + len(words)] = words
+            n += len(words)
     deps = [d for d in deps if d[0] < spec.length]
     return Document(out[: spec.length].copy(), deps)
 
