@@ -218,7 +218,7 @@ def test_input_ids_records(tmp_path, tokenizer, capsys):
                       str(tmp_path / "store"), "--target-layer-ids", "1", "--no-progress")  # fmt: skip
     assert code == 0
     store = FeatureStore(str(tmp_path / "store"))
-    assert store.read_tokens(store.sample_ids()[0])[0].tolist() == list(range(4, 40))
+    assert store.read_tokens(store.sample_ids[0])[0].tolist() == list(range(4, 40))
     data.write_text(json.dumps({"input_ids": [4, 512]}) + "\n")
     code, _, err = _run(capsys, "capture", "--target", TINY_TARGET_DIR, "--data", str(data), "--out",
                         str(tmp_path / "store2"), "--target-layer-ids", "1", "--no-progress")  # fmt: skip

@@ -156,7 +156,8 @@ def stage_target(run: str, scale: Scale, seed: int) -> None:
     from .target import HELD_OUT_BASE, accuracy_by_distance, train_target
 
     done = train_target(run, scale.target, doc_spec(scale, scale.long_len, seed), device=scale.device,
-                        minutes=scale.target_minutes, log=lambda s: _log(run, s))  # fmt: skip
+                        minutes=scale.target_minutes, workers=8 if scale.device == "cuda" else 0,
+                        log=lambda s: _log(run, s))  # fmt: skip
     if not done:
         raise SystemExit(3)  # not finished: run the stage again (it resumes)
     acc_path = os.path.join(run, "accuracy.json")

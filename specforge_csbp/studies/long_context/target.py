@@ -79,14 +79,29 @@ def _lr(scale: TargetScale, step: int) -> float:
     return scale.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
-def _batch(spec: DocSpec, length: int, start: int, count: int) -> torch.Tensor:
-    docs = [make_document(DocSpec(**{**spec.__dict__, "length": length}), start + i).tokens for i in range(count)]
-    return torch.from_numpy(np.stack(docs))
+class _Steps(torch.utils.data.Dataset):
+    """Item `step` = the documents of that training step (a function of the step alone: resumable, and the same
+    with any number of loader workers, which generate the documents off the training loop)."""
+
+    def __init__(self, scale: TargetScale, spec: DocSpec) -> None:
+        self.scale, self.spec = scale, spec
+
+    def __len__(self) -> int:
+        return self.scale.total_steps
+
+    def __getitem__(self, step: int) -> torch.Tensor:
+        length, batch = self.scale.phase_at(step)
+        start, s = TRAIN_BASE, 0
+        for plen, steps, pbatch in self.scale.phases:  # documents used by the steps before this one
+            start += min(steps, max(0, step - s)) * pbatch
+            s += steps
+        spec = DocSpec(**{**self.spec.__dict__, "length": length})
+        return torch.from_numpy(np.stack([make_document(spec, start + i).tokens for i in range(batch)]))
 
 
 def train_target(
     out_dir: str, scale: TargetScale, spec: DocSpec, *, device: str = "cpu", minutes: float | None = None,
-    save_every: int = 200, log=print,
+    save_every: int = 200, workers: int = 0, log=print,
 ) -> bool:  # fmt: skip
     """Train (or resume) the target under `out_dir`; True when the checkpoint `out_dir/target` is written.
     `minutes` bounds this call's training time (the state is saved, the next call continues)."""
@@ -103,29 +118,32 @@ def train_target(
     model = AutoModelForCausalLM.from_config(target_config(scale), dtype=torch.float32,
                                              attn_implementation="sdpa").to(dev)  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=scale.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    step, doc = 0, TRAIN_BASE
+    step = 0
     if os.path.isfile(state_path):
         state = torch.load(state_path, map_location=dev, weights_only=False)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
-        step, doc = state["step"], state["doc"]
+        step = state["step"]
         log(f"target: resumed at step {step}/{scale.total_steps}")
 
     def save_state() -> None:
         tmp = state_path + ".tmp"
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "doc": doc}, tmp)
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, tmp)
         os.replace(tmp, state_path)
 
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
     t0, model = time.monotonic(), model.train()
-    while step < scale.total_steps:
+    loader = torch.utils.data.DataLoader(
+        _Steps(scale, spec), batch_size=None, sampler=range(step, scale.total_steps), num_workers=workers,
+        prefetch_factor=4 if workers else None, pin_memory=dev.type == "cuda",
+    )  # fmt: skip
+    for ids in loader:
         if minutes is not None and time.monotonic() - t0 > 60 * minutes:
             save_state()
             log(f"target: time budget spent at step {step}/{scale.total_steps}; state saved, run the stage again")
             return False
-        length, batch = scale.phase_at(step)
-        ids = _batch(spec, length, doc, batch).to(dev)
-        doc += batch
+        length = ids.shape[1]
+        ids = ids.to(dev, non_blocking=True)
         for group in opt.param_groups:
             group["lr"] = _lr(scale, step)
         with autocast:
