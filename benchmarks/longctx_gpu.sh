@@ -22,4 +22,4 @@ case "$PART" in
   3) $S --stage eval && $S --stage report --records "$OUT/longctx_h200_$DATE.jsonl" ;;
   *) echo "part must be 1, 2 or 3" >&2; exit 2 ;;
 esac
-cp "$RUN"/{accuracy.json,eval-short.json,eval-long.json,long_context.png,study.log,commands.json} "$OUT/longctx/" 2>/dev/null || true
+cp "$RUN"/{accuracy.json,eval-short.json,eval-long.json,long_context.png,long_context_tables.md,study.log,commands.json} "$OUT/longctx/" 2>/dev/null || true

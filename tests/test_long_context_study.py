@@ -86,6 +86,8 @@ def test_cpu_miniature_runs_every_stage(tmp_path):
     assert all("specforge_csbp eval" in r.command and "specforge_csbp train --csbp" in r.train_command for r in taus)
     assert any(getattr(r, "metric", None) == "target_accuracy" for r in records)
     assert (run / "long_context.png").stat().st_size > 0
+    tables = (run / "long_context_tables.md").read_text()
+    assert f"trained at {scale.short_len}" in tables and f"trained at {scale.long_len}" in tables
     # idempotent: a second run of a stage skips what exists
     again = subprocess.run(cmd + ["--stage", "train"], env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "exists; skipped" in again.stdout

@@ -11,8 +11,9 @@ skips work whose output is already there (so a stage cut by a time limit is run 
                                                                      -> RUN/output-long/, RUN/output-short/
     eval      `specforge-csbp eval` of both drafters on held-out long prompts cut inside far repeats, tau per
               context-position bucket (--bucket-edges)               -> RUN/eval-long.json, RUN/eval-short.json
-    report    records (workload "longctx", bench/records.py) and one plot with both curves and the target's
-              accuracy by distance                                   -> RUN/records.jsonl, RUN/long_context.png
+    report    records (workload "longctx", bench/records.py), one plot with both curves and the target's
+              accuracy by distance, the two result tables            -> RUN/records.jsonl, RUN/long_context.png,
+                                                                        RUN/long_context_tables.md
 
 Commands run as subprocesses of this interpreter and are logged (they are the records' `command`).
 """
@@ -368,11 +369,37 @@ def plot_study(records: list[dict], path: str) -> None:
     os.replace(tmp, path)
 
 
+def _span(start: int, end: int | None) -> str:
+    return f"{start}+" if end is None else f"{start}-{end}"
+
+
+def tables_markdown(records: list[dict]) -> str:
+    """The two tables of docs/long_context.md's results, generated from the records (never typed)."""
+    acc = [r for r in records if r.get("metric") == "target_accuracy"]
+    lines = ["| dependency | distance (tokens) | target greedy accuracy | tokens |", "|---|---|---|---|"]
+    lines += [f"| {r['dependency']} | {_span(r['distance_start'], r['distance_end'])} | {r['accuracy']:.3f} | "
+              f"{r['count']} |" for r in acc]  # fmt: skip
+    taus = [r for r in records if r.get("metric") == "tau"]
+    by_bucket: dict[tuple, dict] = {}
+    for r in taus:
+        by_bucket.setdefault((r["bucket_start"], r["bucket_end"]), {})[r["drafter"]] = r
+    lens = {r["drafter"]: r["train_len"] for r in taus}
+    lines += ["", f"| context positions | tau, trained at {lens.get('short')} | tau, trained at {lens.get('long')} "
+              "| verify steps (short / long) |", "|---|---|---|---|"]  # fmt: skip
+    for (start, end), row in sorted(by_bucket.items()):
+        cells = ["n/a" if row.get(k, {}).get("tau") is None else f"{row[k]['tau']:.2f}" for k in ("short", "long")]
+        steps = " / ".join(str(row.get(k, {}).get("verify_steps", 0)) for k in ("short", "long"))
+        lines.append(f"| {_span(start, end)} | {cells[0]} | {cells[1]} | {steps} |")
+    return "\n".join(lines) + "\n"
+
+
 def stage_report(run: str, scale: Scale, seed: int, records_path: str | None = None) -> list[dict]:
     records = study_records(run, scale, _device_name(scale))
     path = records_path or os.path.join(run, "records.jsonl")
     _write_jsonl(path, records)
     plot_study(records, os.path.join(run, "long_context.png"))
+    with open(os.path.join(run, "long_context_tables.md"), "w") as f:
+        f.write(tables_markdown(records))
     for r in records:
         if r.get("metric") == "tau":
             end = "+" if r["bucket_end"] is None else f"-{r['bucket_end']}"
