@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from specforge_csbp.bench.records import load_records
@@ -58,6 +59,7 @@ def test_bucket_edges_parse():
             raise AssertionError(bad)
 
 
+@pytest.mark.slow
 def test_cpu_miniature_runs_every_stage(tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
@@ -91,3 +93,23 @@ def test_cpu_miniature_runs_every_stage(tmp_path):
     # idempotent: a second run of a stage skips what exists
     again = subprocess.run(cmd + ["--stage", "train"], env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "exists; skipped" in again.stdout
+
+
+def test_target_training_resumes_and_is_idempotent(tmp_path):
+    from dataclasses import replace
+
+    from specforge_csbp.studies.long_context.study import doc_spec
+    from specforge_csbp.studies.long_context.target import _Steps, train_target
+
+    scale = SCALES["cpu"]
+    small = replace(scale.target, phases=((256, 3, 2), (512, 2, 1)))
+    spec = doc_spec(scale, 2048, 0)
+    steps = _Steps(small, spec)  # each step its own documents, a function of the step alone
+    assert [tuple(steps[i].shape) for i in range(5)] == [(2, 256)] * 3 + [(1, 512)] * 2
+    assert not (steps[3][0, :256] == steps[2][1]).all()
+    logs: list[str] = []
+    assert not train_target(str(tmp_path), small, spec, minutes=0.0, workers=2, log=logs.append)
+    assert (tmp_path / "train_state.pt").is_file() and not (tmp_path / "target").exists()
+    assert train_target(str(tmp_path), small, spec, workers=2, log=logs.append)
+    assert any("resumed at step 0/5" in s for s in logs) and (tmp_path / "target" / "config.json").is_file()
+    assert train_target(str(tmp_path), small, spec, log=logs.append) and "skipped" in logs[-1]
