@@ -2,14 +2,14 @@
 # The long-context study on one H200 (docs/long_context.md), in parts that each fit a 10-minute call.
 # After `source benchmarks/gpu_env.sh` (carried wheels: specforge 0.2.0 + pydantic for the train stage):
 #   bash benchmarks/longctx_gpu.sh 1     # target: trains up to --target-minutes (9), resumable; repeat until done
-#   bash benchmarks/longctx_gpu.sh 2     # capture both stores (~7 GiB each in /tmp) + train both drafters
+#   bash benchmarks/longctx_gpu.sh 2     # capture both stores (~7 GiB each, under RUN) + train both drafters
 #   bash benchmarks/longctx_gpu.sh 3     # eval both drafters on held-out 64K prompts + records + plot
 # Parts 2 and 3 need the run directory of the part before (the same warm machine, or RUN carried back).
 # Each part copies what it made that is small (target checkpoint, accuracy, eval JSON, records, plot, log) to
 # $OUT/longctx/.
 set -euo pipefail
 PART=${1:?part 1, 2 or 3}
-RUN=${RUN:-/tmp/longctx/gpu}
+RUN=${RUN:-runs/long_context/gpu}   # ignored by git: kept between calls on a warm machine; target/ (~40 MB) can be carried
 OUT=${OUT:-benchmarks/results}
 DATE=$(date -u +%F)
 GPUS=${GPUS:-1}
