@@ -102,6 +102,8 @@ def test_bad_records_are_one_line_errors(tokenizer):
         ({"messages": [], "text": "x"}, "needs exactly one of"),
         ({"messages": []}, "messages: .* must be a non-empty list"),
         ({"text": 3}, "text: .* must be a string"),
+        ({"input_ids": [1, "a"]}, "input_ids: line 3 of d.jsonl must be a non-empty list of non-negative integers"),
+        ({"input_ids": [], "text": "x"}, "needs exactly one of"),
     ]:
         with pytest.raises(ValueError, match=match):
             tokenize_sample(tokenizer, record, max_length=10, where="line 3 of d.jsonl")
@@ -204,3 +206,21 @@ def test_capture_cli_errors_are_one_line(tmp_path, capsys):
     code, _, err = _run(capsys, "capture", "--target", TINY_TARGET_DIR, "--data", str(bad), "--out",
                         str(tmp_path / "d"), "--target-layer-ids", "1", "--no-progress")  # fmt: skip
     assert code == 2 and "data: line 2 of" in err and len(err.strip().splitlines()) == 1
+
+
+def test_input_ids_records(tmp_path, tokenizer, capsys):
+    """Token-id records are stored as they are, every token supervised; an id outside the vocabulary is one line."""
+    ids, mask = tokenize_sample(tokenizer, {"input_ids": [5, 9, 7, 300]}, max_length=3)
+    assert ids.tolist() == [5, 9, 7] and mask.tolist() == [1, 1, 1]
+    data = tmp_path / "ids.jsonl"
+    data.write_text(json.dumps({"input_ids": list(range(4, 40))}) + "\n")
+    code, _, _ = _run(capsys, "capture", "--target", TINY_TARGET_DIR, "--data", str(data), "--out",
+                      str(tmp_path / "store"), "--target-layer-ids", "1", "--no-progress")  # fmt: skip
+    assert code == 0
+    store = FeatureStore(str(tmp_path / "store"))
+    assert store.read_tokens(store.sample_ids[0])[0].tolist() == list(range(4, 40))
+    data.write_text(json.dumps({"input_ids": [4, 512]}) + "\n")
+    code, _, err = _run(capsys, "capture", "--target", TINY_TARGET_DIR, "--data", str(data), "--out",
+                        str(tmp_path / "store2"), "--target-layer-ids", "1", "--no-progress")  # fmt: skip
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert f"input_ids: line 1 of {data} has token id 512, outside the target's vocabulary [0, 512)" in err

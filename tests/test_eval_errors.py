@@ -59,6 +59,8 @@ CASES = {
     "eval-split": (["--split", "eval"], "--split: only with --store (a split of a feature store)"),
     "eval-max-new-tokens": (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1; got 0"),
     "eval-out-dir": (["--out", "{root}/nowhere/out.json"], "--out: the directory {root}/nowhere does not exist"),
+    "eval-bucket-edges": (["--bucket-edges", "0,4K,2K"],
+                          "--bucket-edges: expected increasing positions starting at 0, like 0,4K,16K; got '0,4K,2K'"),
 }  # fmt: skip
 
 

@@ -3,6 +3,7 @@
     specforge-csbp capture --target Qwen3-8B/ --data train.jsonl --out store/ \\
         --draft-config drafter.json --max-length 131072 --dtype bfloat16 --device cuda --chunk-size 16384
 
+`--data` records are chat (`messages`), `text`, or token ids (`input_ids`, used as they are).
 `--target` is a checkpoint directory, or a config (config.json / a directory without weights) for a random
 target seeded by `--seed` (the tiny quickstart target; `--save-target DIR` writes those weights so training
 loads the same ones). Target layer ids come from `--target-layer-ids 1,3,5` or from the drafter config's
@@ -177,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
     if args.save_target:
         model.save_pretrained(args.save_target)
         tokenizer.save_pretrained(args.save_target)
+    vocab = int(model.config.get_text_config().vocab_size)
     stored = skipped = present = tokens = 0
 
     def terminate(signum, _frame):
@@ -204,6 +206,9 @@ def run(args: argparse.Namespace) -> int:
                     present += 1  # --resume: captured by an earlier run
                     continue
                 input_ids, loss_mask = tokenize_sample(tokenizer, record, max_length=args.max_length, where=where)
+                if int(input_ids.max()) >= vocab:
+                    raise ValueError(f"input_ids: {where} has token id {int(input_ids.max())}, outside the target's "
+                                     f"vocabulary [0, {vocab})")  # fmt: skip
                 if not has_consecutive_supervised(loss_mask):
                     skipped += 1
                     continue

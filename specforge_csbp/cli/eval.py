@@ -2,7 +2,8 @@
 
     specforge-csbp eval --drafter PATH --target PATH (--prompts FILE.jsonl | --store STORE [--split eval])
         [--num-prompts N] [--max-new-tokens M] [--device cpu|cuda|auto] [--dtype auto|float32|bfloat16|...]
-        [--untrained] [--prefill-chunk TOKENS] [--seed S] [--ignore-eos] [--out FILE.json] [--plot FILE.png]
+        [--untrained] [--prefill-chunk TOKENS] [--seed S] [--ignore-eos] [--bucket-edges 0,4K,16K,...]
+        [--out FILE.json] [--plot FILE.png]
 
 --drafter: a training output directory (its latest checkpoint), one checkpoint, or an export
 (`specforge-csbp export --to sglang`). --target: a Hugging Face checkpoint directory. Prints a progress bar,
@@ -41,6 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-chunk", type=int, default=8192, help="prefill chunk in tokens (0: one pass)")
     p.add_argument("--seed", type=int, default=0, help="seed of --untrained and of a weightless target")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop a prompt at the target's EOS")
+    p.add_argument("--bucket-edges", default=None,
+                   help="context-position bucket starts, e.g. 0,256,1K (default 0,4K,16K,64K,256K; last is open)")
     p.add_argument("--out", default=None, help="JSON summary file")
     p.add_argument("--plot", default=None, help="PNG of tau against context position (default: beside --out)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -49,6 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..data.manifest import write_json_atomic
+    from ..eval.metrics import BUCKET_EDGES, parse_bucket_edges
     from ..eval.prompts import jsonl_prompts, store_prompts
     from ..eval.run import EvalOptions, evaluate, plot_tau, summary_line
 
@@ -56,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--num-prompts must be >= 1; got {args.num_prompts}")
     if args.split is not None and args.store is None:
         raise ValueError("--split: only with --store (a split of a feature store)")
+    edges = BUCKET_EDGES if args.bucket_edges is None else parse_bucket_edges(args.bucket_edges)
     for flag, path in (("--out", args.out), ("--plot", args.plot)):
         parent = os.path.dirname(os.path.abspath(path)) if path else None
         if parent and not os.path.isdir(parent):
@@ -67,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     options = EvalOptions(
         drafter=args.drafter, target=args.target, max_new_tokens=args.max_new_tokens, device=args.device,
         dtype=args.dtype, untrained=args.untrained, prefill_chunk=args.prefill_chunk, seed=args.seed,
-        ignore_eos=args.ignore_eos, progress=not args.no_progress,
+        ignore_eos=args.ignore_eos, progress=not args.no_progress, bucket_edges=edges,
     )  # fmt: skip
     summary = evaluate(options, prompts)
     summary["prompts"] = os.path.abspath(args.prompts or args.store)

@@ -5,6 +5,8 @@ Two sample kinds, one per line:
         rendered by tokenizer.apply_chat_template; loss mask = assistant turns (content + end-of-turn token)
     {"text": "..."}
         tokenized as is (with the tokenizer's special tokens); loss mask = every token
+    {"input_ids": [...]}
+        token ids used as they are (synthetic documents, pre-tokenized data); loss mask = every token
 An optional "id" field names the sample in the store (default: the line number, 8 digits).
 
 The assistant mask comes from transformers' `return_assistant_tokens_mask` when the template marks assistant
@@ -102,11 +104,16 @@ def tokenize_sample(
     """(input_ids [L], loss_mask [L]) int64 for one record, truncated to the first `max_length` tokens."""
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
-    if ("messages" in record) == ("text" in record):
+    if sum(k in record for k in ("messages", "text", "input_ids")) != 1:
         raise ValueError(
-            f"data: {where} needs exactly one of 'messages' (chat) or 'text', got keys {sorted(record)}"
+            f"data: {where} needs exactly one of 'messages' (chat) or 'text' (or 'input_ids'), got keys {sorted(record)}"
         )
-    if "text" in record:
+    if "input_ids" in record:
+        ids = record["input_ids"]
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+            raise ValueError(f"input_ids: {where} must be a non-empty list of non-negative integers")
+        mask = [1] * len(ids)
+    elif "text" in record:
         if not isinstance(record["text"], str):
             raise ValueError(f"text: {where} must be a string")
         ids = list(tokenizer(record["text"], add_special_tokens=True)["input_ids"])

@@ -6,7 +6,7 @@
     per_slot_accept[j]   fraction of verify steps whose draft slot j + 1 was accepted (j = 0..S-2); slot
                          j + 1 counts only when every slot before it was accepted too
     buckets              tau of the steps whose block starts in [start, end) of context positions:
-                         0-4K, 4K-16K, 16K-64K, 64K-256K, 256K+ - those the prompts reach
+                         0-4K, 4K-16K, 16K-64K, 64K-256K, 256K+ (or `edges`) - those the prompts reach
     position_bins        the same over up to 24 equal-width bins of position (the plot's line)
     spec_accept_length   SGLang's metric: generated tokens / verify steps (its numerator also counts the
                          prefill's token, so it exceeds tau by about 1 / verify_steps per prompt)
@@ -19,7 +19,7 @@ from typing import Any
 
 from .loop import SequenceResult
 
-__all__ = ["BUCKET_EDGES", "summarize"]
+__all__ = ["BUCKET_EDGES", "parse_bucket_edges", "summarize"]
 
 K = 1024
 BUCKET_EDGES = (0, 4 * K, 16 * K, 64 * K, 256 * K)  # the last bucket is open: 256K+
@@ -30,8 +30,23 @@ def _tau(accepted: Sequence[int]) -> float | None:
     return 1.0 + sum(accepted) / len(accepted) if accepted else None
 
 
-def summarize(results: Sequence[SequenceResult], block_size: int) -> dict[str, Any]:
-    """The JSON fields of `specforge-csbp eval` computed from the sequences' verify steps."""
+def parse_bucket_edges(text: str) -> tuple[int, ...]:
+    """`--bucket-edges 0,4K,16K,64K` -> (0, 4096, 16384, 65536): increasing token positions from 0 (`K` = 1024;
+    the last bucket is open). Finer edges than the default serve short prompts (the CPU long-context study)."""
+    try:
+        edges = tuple(int(float(x[:-1]) * K) if x[-1:] in "kK" else int(x) for x in text.replace(" ", "").split(","))
+    except ValueError:
+        edges = ()
+    if not edges or edges[0] != 0 or any(b <= a for a, b in zip(edges, edges[1:])):
+        raise ValueError(f"--bucket-edges: expected increasing positions starting at 0, like 0,4K,16K; got {text!r}")
+    return edges
+
+
+def summarize(
+    results: Sequence[SequenceResult], block_size: int, edges: Sequence[int] = BUCKET_EDGES
+) -> dict[str, Any]:
+    """The JSON fields of `specforge-csbp eval` computed from the sequences' verify steps; `edges` start the
+    context-position buckets (the last one is open)."""
     steps = [s for r in results for s in r.steps]
     accepted = [s.accepted for s in steps]
     n = len(steps)
@@ -41,10 +56,10 @@ def summarize(results: Sequence[SequenceResult], block_size: int) -> dict[str, A
     per_slot = [sum(a > j for a in accepted) / n if n else None for j in range(block_size - 1)]
     reach = max((s.position for s in steps), default=-1)
     buckets = []
-    for i, start in enumerate(BUCKET_EDGES):
+    for i, start in enumerate(edges):
         if start > reach:
             break
-        end = BUCKET_EDGES[i + 1] if i + 1 < len(BUCKET_EDGES) else None
+        end = edges[i + 1] if i + 1 < len(edges) else None
         inside = [s.accepted for s in steps if s.position >= start and (end is None or s.position < end)]
         buckets.append({"start": start, "end": end, "tau": _tau(inside), "verify_steps": len(inside)})
     generated = sum(len(r.tokens) for r in results)

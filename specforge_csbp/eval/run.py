@@ -23,7 +23,7 @@ from .load import (
     resolve_dtype,
 )
 from .loop import SequenceResult, speculative_generate
-from .metrics import summarize
+from .metrics import BUCKET_EDGES, summarize
 from .target import TargetRunner
 
 __all__ = ["EvalOptions", "evaluate", "plot_tau", "resolve_device", "run_prompts", "summary_line"]
@@ -43,6 +43,7 @@ class EvalOptions:
     seed: int = 0
     ignore_eos: bool = False
     progress: bool = True
+    bucket_edges: tuple[int, ...] = BUCKET_EDGES
 
 
 def resolve_device(name: str) -> torch.device:
@@ -141,7 +142,7 @@ def evaluate(options: EvalOptions, prompts: Sequence[torch.Tensor]) -> dict[str,
         torch.cuda.reset_peak_memory_stats(device)
     results = run_prompts(drafter, target, prompts, options.max_new_tokens, prefill_chunk=options.prefill_chunk,
                           stop_ids=stop_ids, progress=options.progress)  # fmt: skip
-    summary = summarize(results, S)
+    summary = summarize(results, S, options.bucket_edges)
     summary.update(
         drafter=os.path.abspath(options.drafter), drafter_source=ckpt.source, architecture=ckpt.architecture,
         untrained=options.untrained, target=os.path.abspath(options.target), device=str(device), dtype=dtype,
@@ -153,6 +154,10 @@ def evaluate(options: EvalOptions, prompts: Sequence[torch.Tensor]) -> dict[str,
     return summary
 
 
+def _pos(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
 def summary_line(summary: dict[str, Any]) -> str:
     tau = "n/a" if summary["tau"] is None else f"{summary['tau']:.2f}"
     parts = [f"tau={tau}", f"verify_steps={summary['verify_steps']}",
@@ -160,9 +165,13 @@ def summary_line(summary: dict[str, Any]) -> str:
              f"block_size={summary['block_size']}", f"prompts={summary['num_prompts']}"]  # fmt: skip
     for b in summary["buckets"]:
         if b["tau"] is not None:
-            end = "+" if b["end"] is None else f"-{b['end'] // 1024}K"
-            parts.append(f"tau[{b['start'] // 1024}K{end}]={b['tau']:.2f}")
+            end = "+" if b["end"] is None else f"-{_pos(b['end'])}"
+            parts.append(f"tau[{_pos(b['start'])}{end}]={b['tau']:.2f}")
     return " ".join(parts)
+
+
+def _bucket_name(b: dict[str, Any]) -> str:
+    return f"{_pos(b['start'])}+" if b["end"] is None else f"{_pos(b['start'])}-{_pos(b['end'])}"
 
 
 def plot_tau(results_or_summary: dict[str, Any], path: str) -> None:
@@ -183,7 +192,8 @@ def plot_tau(results_or_summary: dict[str, Any], path: str) -> None:
         end = b["end"] if b["end"] is not None else top
         first = b is summary["buckets"][0]
         ax.hlines(b["tau"], b["start"], min(end, top), colors="tab:red", linewidth=2,
-                  label="tau per bucket (0-4K, 4K-16K, 16K-64K, 64K-256K, 256K+)" if first else None)  # fmt: skip
+                  label="tau per bucket (" + ", ".join(_bucket_name(x) for x in summary["buckets"]) + ")"
+                  if first else None)  # fmt: skip
         middle = (b["start"] + min(end, top)) / 2
         ax.annotate(f"{b['tau']:.2f} ({b['verify_steps']} steps)", (middle, b["tau"]),
                     textcoords="offset points", xytext=(0, 5), ha="center", fontsize=8)  # fmt: skip

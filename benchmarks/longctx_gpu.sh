@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The long-context study on one H200 (docs/long_context.md), in parts that each fit a 10-minute call.
+# After `source benchmarks/gpu_env.sh` (carried wheels: specforge 0.2.0 + pydantic for the train stage):
+#   bash benchmarks/longctx_gpu.sh 1     # target: trains up to --target-minutes (9), resumable; repeat until done
+#   bash benchmarks/longctx_gpu.sh 2     # capture both stores (~7 GiB each, under RUN) + train both drafters
+#   bash benchmarks/longctx_gpu.sh 3     # eval both drafters on held-out 64K prompts + records + plot
+# Parts 2 and 3 need the run directory of the part before (the same warm machine, or RUN carried back).
+# Each part copies what it made that is small (target checkpoint, accuracy, eval JSON, records, plot, log) to
+# $OUT/longctx/.
+set -euo pipefail
+PART=${1:?part 1, 2 or 3}
+RUN=${RUN:-runs/long_context/gpu}   # ignored by git: kept between calls on a warm machine; target/ (~40 MB) can be carried
+OUT=${OUT:-benchmarks/results}
+DATE=$(date -u +%F)
+GPUS=${GPUS:-1}
+mkdir -p "$RUN" "$OUT/longctx"
+S="python3 scripts/long_context_study.py --scale gpu --run $RUN"
+case "$PART" in
+  1) $S --stage target --target-minutes "${TARGET_MINUTES:-9}" || { rc=$?; [ "$rc" = 3 ] && echo "target: not done; run part 1 again"; }
+     cp -r "$RUN/target" "$OUT/longctx/" 2>/dev/null || true ;;
+  2) $S --stage capture && $S --stage train --gpus "$GPUS" ;;
+  3) $S --stage eval && $S --stage report --records "$OUT/longctx_h200_$DATE.jsonl" ;;
+  *) echo "part must be 1, 2 or 3" >&2; exit 2 ;;
+esac
+cp "$RUN"/{accuracy.json,eval-short.json,eval-long.json,long_context.png,long_context_tables.md,study.log,commands.json} "$OUT/longctx/" 2>/dev/null || true

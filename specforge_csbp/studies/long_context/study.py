@@ -1,0 +1,429 @@
+"""The long-context study's stages. Each stage reads the previous stage's files under the run directory and
+skips work whose output is already there (so a stage cut by a time limit is run again, not restarted):
+
+    target    train the study's target (target.py), resumable     -> RUN/target/, RUN/accuracy.json
+    capture   long documents and the same tokens cut into short windows, held-out prompts (jsonl), then
+              `specforge-csbp capture` into two feature stores     -> RUN/store-long/, RUN/store-short/
+    train     `python -m specforge_csbp train --csbp` twice under one budget:
+                  long:  batch 1 x long documents,  A anchors each
+                  short: batch r x short windows,   A / r anchors each   (r = long / short length)
+              same tokens, steps, supervised tokens and anchors per token; only the context length differs
+                                                                     -> RUN/output-long/, RUN/output-short/
+    eval      `specforge-csbp eval` of both drafters on held-out long prompts cut inside far repeats, tau per
+              context-position bucket (--bucket-edges)               -> RUN/eval-long.json, RUN/eval-short.json
+    report    records (workload "longctx", bench/records.py), one plot with both curves and the target's
+              accuracy by distance, the two result tables            -> RUN/records.jsonl, RUN/long_context.png,
+                                                                        RUN/long_context_tables.md
+
+Commands run as subprocesses of this interpreter and are logged (they are the records' `command`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+
+__all__ = ["SCALES", "STAGES", "Scale", "run_stage"]
+
+K = 1024
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Everything a scale fixes: target, documents, drafter, training budget, evaluation."""
+
+    name: str
+    target: "object"  # target.TargetScale
+    long_len: int
+    short_len: int
+    train_docs: int  # long documents captured (the short store holds the same tokens in windows)
+    anchors_long: int  # anchors per long document; a short window gets anchors_long * short / long
+    epochs: int
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    drafter_layers: int
+    nproc: int
+    cp_size: int
+    device: str
+    dtype: str
+    attention_backend: str
+    eval_docs: int
+    cuts_per_doc: int
+    max_new_tokens: int
+    bucket_edges: tuple[int, ...]
+    distance_edges: tuple[int, ...]
+    accuracy_docs: int
+    lr: float = 3e-3
+    min_distance: int = 64
+    target_minutes: float | None = None
+
+    @property
+    def ratio(self) -> int:
+        return self.long_len // self.short_len
+
+
+def _scales() -> dict[str, Scale]:
+    from .target import TargetScale
+
+    cpu = Scale(
+        name="cpu",
+        target=TargetScale(layers=3, hidden=64, heads=4, kv_heads=2, intermediate=128, rope_theta=10000.0,
+                           max_position=4096, phases=((256, 8, 2), (2048, 2, 1)), lr=3e-3, warmup=2),
+        long_len=2048, short_len=256, train_docs=2, anchors_long=64, epochs=2, block_size=4,
+        target_layer_ids=(0, 1), drafter_layers=1, nproc=1, cp_size=1, device="cpu", dtype="float32",
+        attention_backend="sdpa", eval_docs=2, cuts_per_doc=2, max_new_tokens=12,
+        bucket_edges=(0, 256, 512, 1024), distance_edges=(0, 256, 1024), accuracy_docs=1,
+    )  # fmt: skip
+    gpu = Scale(
+        name="gpu",
+        target=TargetScale(layers=6, hidden=384, heads=6, kv_heads=2, intermediate=1024, rope_theta=1_000_000.0,
+                           max_position=131072,
+                           phases=((2048, 1500, 16), (8192, 600, 4), (32768, 200, 1), (65536, 150, 1)),
+                           lr=1e-3, warmup=100),
+        long_len=65536, short_len=4096, train_docs=48, anchors_long=2048, epochs=8, block_size=8,
+        target_layer_ids=(1, 3, 5), drafter_layers=2, nproc=1, cp_size=1, device="cuda", dtype="bfloat16",
+        attention_backend="flex_attention", eval_docs=8, cuts_per_doc=12, max_new_tokens=64,
+        bucket_edges=(0, 4 * K, 8 * K, 16 * K, 32 * K), distance_edges=(0, 256, 1 * K, 4 * K, 16 * K),
+        accuracy_docs=8, lr=1e-3, min_distance=256, target_minutes=9.0,
+    )  # fmt: skip
+    return {"cpu": cpu, "gpu": gpu}
+
+
+SCALES = _scales()
+STAGES = ("target", "capture", "train", "eval", "report")
+
+
+def doc_spec(scale: Scale, length: int, seed: int):
+    from .documents import DocSpec
+
+    return DocSpec(length=length, vocab_size=scale.target.vocab_size, seed=seed, min_distance=scale.min_distance)
+
+
+def _log(run: str, line: str) -> None:
+    print(line, flush=True)
+    with open(os.path.join(run, "study.log"), "a") as f:
+        f.write(line + "\n")
+
+
+def _call(run: str, argv: list[str], env: dict | None = None, *, in_process: bool = False) -> str:
+    """Run one `python -m specforge_csbp ...` command of the study, log it, fail with its exit status.
+    `in_process`: through cli.main in this interpreter (capture, eval: no second start of torch and
+    transformers); training always gets its own process (SpecForge's launcher owns the process group)."""
+    cmd = shlex.join(argv)
+    _log(run, f"$ {cmd}")
+    if in_process:
+        from ...cli.main import main
+
+        rc = main(argv[3:])
+    else:
+        full = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+        rc = subprocess.run([sys.executable, *argv[1:]], env=full).returncode
+    if rc != 0:
+        raise SystemExit(f"long-context study: `{cmd}` exited with status {rc}")
+    return cmd
+
+
+def _write_jsonl(path: str, rows: list[dict]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    os.replace(tmp, path)
+
+
+def _commands(run: str) -> dict:
+    path = os.path.join(run, "commands.json")
+    return json.load(open(path)) if os.path.isfile(path) else {}
+
+
+def _note_command(run: str, key: str, cmd: str) -> None:
+    from ...data.manifest import write_json_atomic
+
+    cmds = _commands(run)
+    cmds[key] = cmd
+    write_json_atomic(os.path.join(run, "commands.json"), cmds)
+
+
+# -- stages -------------------------------------------------------------------------------------------
+def stage_target(run: str, scale: Scale, seed: int) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from ...data.manifest import write_json_atomic
+    from .target import HELD_OUT_BASE, accuracy_by_distance, train_target
+
+    done = train_target(run, scale.target, doc_spec(scale, scale.long_len, seed), device=scale.device,
+                        minutes=scale.target_minutes, workers=8 if scale.device == "cuda" else 0,
+                        log=lambda s: _log(run, s))  # fmt: skip
+    if not done:
+        raise SystemExit(3)  # not finished: run the stage again (it resumes)
+    acc_path = os.path.join(run, "accuracy.json")
+    if os.path.isfile(acc_path):
+        return
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(run, "target")).to(scale.device).eval()
+    rows = accuracy_by_distance(model, doc_spec(scale, scale.long_len, seed),
+                                range(HELD_OUT_BASE, HELD_OUT_BASE + scale.accuracy_docs), scale.distance_edges,
+                                device=scale.device)  # fmt: skip
+    write_json_atomic(acc_path, {"context": scale.long_len, "docs": scale.accuracy_docs, "rows": rows})
+    for r in rows:
+        end = "+" if r["end"] is None else f"-{r['end']}"
+        _log(run, f"target accuracy {r['kind']:6s} distance {r['start']}{end}: {r['accuracy']:.3f} ({r['count']})")
+
+
+def drafter_config(scale: Scale) -> dict:
+    t = scale.target
+    return {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": t.hidden,
+        "intermediate_size": t.intermediate, "num_hidden_layers": scale.drafter_layers,
+        "num_attention_heads": t.heads, "num_key_value_heads": t.kv_heads, "head_dim": t.hidden // t.heads,
+        "hidden_act": "silu", "vocab_size": t.vocab_size, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": t.max_position,
+        "rope_parameters": {"rope_type": "default", "rope_theta": t.rope_theta},
+        "layer_types": ["full_attention"] * scale.drafter_layers, "use_sliding_window": False,
+        "attention_bias": False, "tie_word_embeddings": False, "block_size": scale.block_size,
+        "num_target_layers": t.layers,
+        "dflash_config": {"block_size": scale.block_size, "mask_token_id": 3,
+                          "target_layer_ids": list(scale.target_layer_ids)},
+    }  # fmt: skip
+
+
+def stage_capture(run: str, scale: Scale, seed: int) -> None:
+    from ...data.manifest import write_json_atomic
+    from .documents import eval_prompts, make_document
+    from .target import HELD_OUT_BASE
+
+    data = os.path.join(run, "data")
+    os.makedirs(data, exist_ok=True)
+    write_json_atomic(os.path.join(run, "drafter.json"), drafter_config(scale))
+    long_rows, short_rows = [], []
+    spec = doc_spec(scale, scale.long_len, seed)
+    base = 2 * HELD_OUT_BASE  # the drafters' documents: neither the target's stream nor the held-out ones
+    for i in range(scale.train_docs):
+        tokens = make_document(spec, base + i).tokens.tolist()
+        long_rows.append({"id": f"long-{i:05d}", "input_ids": tokens})
+        for w in range(scale.ratio):
+            piece = tokens[w * scale.short_len : (w + 1) * scale.short_len]
+            short_rows.append({"id": f"short-{i:05d}-{w:03d}", "input_ids": piece})
+    _write_jsonl(os.path.join(data, "long.jsonl"), long_rows)
+    _write_jsonl(os.path.join(data, "short.jsonl"), short_rows)
+    prompts = eval_prompts(spec, range(HELD_OUT_BASE + 500, HELD_OUT_BASE + 500 + scale.eval_docs), scale.cuts_per_doc)
+    _write_jsonl(os.path.join(data, "prompts.jsonl"), prompts)
+    _log(run, f"capture: {len(long_rows)} long documents of {scale.long_len}, {len(short_rows)} windows of "
+              f"{scale.short_len}, {len(prompts)} held-out prompts")  # fmt: skip
+    for kind, length in (("long", scale.long_len), ("short", scale.short_len)):
+        store = os.path.join(run, f"store-{kind}")
+        if os.path.isfile(os.path.join(store, "manifest.json")) and os.path.isfile(os.path.join(store, "DONE")):
+            _log(run, f"capture: {store} exists; skipped")
+            continue
+        argv = ["python", "-m", "specforge_csbp", "capture", "--target", os.path.join(run, "target"),
+                "--data", os.path.join(data, f"{kind}.jsonl"), "--draft-config", os.path.join(run, "drafter.json"),
+                "--max-length", str(length), "--dtype", scale.dtype, "--device", scale.device, "--out", store,
+                "--overwrite", "--no-progress"]  # fmt: skip
+        if scale.device == "cuda":
+            argv += ["--chunk-size", "16384"]
+        _note_command(run, f"capture-{kind}", _call(run, argv, in_process=True))
+        open(os.path.join(store, "DONE"), "w").close()
+
+
+def train_config(run: str, scale: Scale, kind: str) -> dict:
+    """The SpecForge run config of one drafter: same steps, tokens and anchors per token for both kinds."""
+    long = kind == "long"
+    return {
+        "model": {"target_model_path": os.path.join(run, "target"),
+                  "draft_model_config": os.path.join(run, "drafter.json"),
+                  "torch_dtype": "float32" if scale.device == "cpu" else "bfloat16"},
+        "data": {"hidden_states_path": os.path.join(run, f"store-{kind}"),
+                 "max_length": scale.long_len if long else scale.short_len},
+        "training": {"strategy": "dflash", "fsdp_sharding": "NO_SHARD", "attention_backend": scale.attention_backend,
+                     "batch_size": 1 if long else scale.ratio, "num_epochs": scale.epochs,
+                     "learning_rate": scale.lr, "warmup_ratio": 0.05, "max_grad_norm": 1.0,
+                     "num_anchors": scale.anchors_long if long else scale.anchors_long // scale.ratio,
+                     "loss_decay_gamma": 4.0 if scale.block_size <= 8 else 7.0, "log_interval": 4,
+                     "save_interval": 0, "seed": 0},
+        "deployment": {"trainer": {"nproc_per_node": scale.nproc}},
+        "run_id": f"longctx-{scale.name}-{kind}",
+        "output_dir": os.path.join(run, f"output-{kind}"),
+        "csbp": {"cp_size": scale.cp_size},
+    }  # fmt: skip
+
+
+def _trained(out: str) -> bool:
+    return os.path.isfile(os.path.join(out, "DONE"))
+
+
+def stage_train(run: str, scale: Scale, seed: int) -> None:
+    import yaml
+
+    for kind in ("short", "long"):
+        out = os.path.join(run, f"output-{kind}")
+        if _trained(out):
+            _log(run, f"train: {out} exists; skipped")
+            continue
+        cfg_path = os.path.join(run, f"{kind}.yaml")
+        with open(cfg_path, "w") as f:
+            yaml.safe_dump(train_config(run, scale, kind), f, sort_keys=False)
+        if os.path.isdir(out):
+            import shutil
+
+            shutil.rmtree(out)  # an interrupted run: SpecForge would resume a half-written output
+        argv = ["python", "-m", "specforge_csbp", "train", "--csbp", "-c", cfg_path]
+        _note_command(run, f"train-{kind}", _call(run, argv, env={"PYTHONWARNINGS": "ignore::FutureWarning"}))
+        open(os.path.join(out, "DONE"), "w").close()
+
+
+def stage_eval(run: str, scale: Scale, seed: int) -> None:
+    for kind in ("short", "long"):
+        out = os.path.join(run, f"eval-{kind}.json")
+        if os.path.isfile(out):
+            _log(run, f"eval: {out} exists; skipped")
+            continue
+        argv = ["python", "-m", "specforge_csbp", "eval", "--drafter", os.path.join(run, f"output-{kind}"),
+                "--target", os.path.join(run, "target"), "--prompts", os.path.join(run, "data", "prompts.jsonl"),
+                "--max-new-tokens", str(scale.max_new_tokens), "--device", scale.device, "--dtype", scale.dtype,
+                "--ignore-eos", "--bucket-edges", ",".join(map(str, scale.bucket_edges)), "--out", out,
+                "--no-progress"]  # fmt: skip
+        _note_command(run, f"eval-{kind}", _call(run, argv, in_process=True))
+
+
+def _device_name(scale: Scale) -> str:
+    if scale.device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cuda"
+    return "cpu"
+
+
+def study_records(run: str, scale: Scale, device: str) -> list[dict]:
+    """One record per (drafter, context-position bucket) and one per target-accuracy bucket."""
+    from ...bench.records import BenchRecord
+
+    cmds = _commands(run)
+    date = datetime.date.today().isoformat()
+    mode = "csbp" if scale.cp_size > 1 else "dp"
+    records = []
+    for kind in ("short", "long"):
+        summary = json.load(open(os.path.join(run, f"eval-{kind}.json")))
+        train_len = scale.long_len if kind == "long" else scale.short_len
+        for b in summary["buckets"]:
+            records.append(BenchRecord(
+                workload="longctx", mode=mode, world_size=scale.nproc, context_len=train_len,
+                block_size=summary["block_size"], device=device, date=date, command=cmds.get(f"eval-{kind}", ""),
+                status="ok", scale=scale.name, metric="tau", drafter=kind, train_len=train_len,
+                bucket_start=b["start"], bucket_end=b["end"], tau=b["tau"], verify_steps=b["verify_steps"],
+                tau_overall=summary["tau"], train_command=cmds.get(f"train-{kind}", ""),
+                eval_prompts=summary["num_prompts"], max_context=summary["max_context"],
+            ).model_dump())  # fmt: skip
+    acc_path = os.path.join(run, "accuracy.json")
+    if os.path.isfile(acc_path):
+        acc = json.load(open(acc_path))
+        for r in acc["rows"]:
+            records.append(BenchRecord(
+                workload="longctx", mode="reference", world_size=1, context_len=acc["context"],
+                block_size=scale.block_size, device=device, date=date,
+                command=f"python scripts/long_context_study.py --stage target --scale {scale.name}",
+                scale=scale.name, metric="target_accuracy", dependency=r["kind"], distance_start=r["start"],
+                distance_end=r["end"], accuracy=r["accuracy"], count=r["count"],
+            ).model_dump())  # fmt: skip
+    return records
+
+
+def plot_study(records: list[dict], path: str) -> None:
+    """Left: tau per context-position bucket, one line per drafter. Right: the target's accuracy by distance."""
+    from ...bench.plots import _pyplot
+
+    plt = _pyplot()
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for kind, color in (("short", "tab:orange"), ("long", "tab:blue")):
+        rows = [r for r in records if r.get("metric") == "tau" and r["drafter"] == kind and r["tau"] is not None]
+        if not rows:
+            continue
+        top = max(r["max_context"] for r in rows)
+        xs = [(r["bucket_start"] + (r["bucket_end"] if r["bucket_end"] is not None else top)) / 2 for r in rows]
+        ax.plot(xs, [r["tau"] for r in rows], marker="o", color=color,
+                label=f"trained at {rows[0]['train_len']} tokens")  # fmt: skip
+    ax.set_xlabel("context position of the draft block (bucket middle)")
+    ax.set_ylabel("tau (tokens per verify step)")
+    ax.set_title("drafter acceptance by context position")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    for dep, marker in (("repeat", "o"), ("query", "s")):
+        rows = [r for r in records if r.get("metric") == "target_accuracy" and r["dependency"] == dep]
+        if rows:
+            ax2.plot([max(1, r["distance_start"]) for r in rows], [r["accuracy"] for r in rows], marker=marker,
+                     label=dep)  # fmt: skip
+    ax2.set_xscale("log")
+    ax2.set_ylim(-0.02, 1.02)
+    ax2.set_xlabel("dependency distance (bucket start, tokens)")
+    ax2.set_ylabel("target greedy accuracy")
+    ax2.set_title("the target's long-range accuracy")
+    ax2.grid(True, alpha=0.3)
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = f"{path}.tmp-{os.getpid()}.png"
+    fig.savefig(tmp, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def _span(start: int, end: int | None) -> str:
+    return f"{start}+" if end is None else f"{start}-{end}"
+
+
+def tables_markdown(records: list[dict]) -> str:
+    """The two tables of docs/long_context.md's results, generated from the records (never typed)."""
+    acc = [r for r in records if r.get("metric") == "target_accuracy"]
+    lines = ["| dependency | distance (tokens) | target greedy accuracy | tokens |", "|---|---|---|---|"]
+    lines += [f"| {r['dependency']} | {_span(r['distance_start'], r['distance_end'])} | {r['accuracy']:.3f} | "
+              f"{r['count']} |" for r in acc]  # fmt: skip
+    taus = [r for r in records if r.get("metric") == "tau"]
+    by_bucket: dict[tuple, dict] = {}
+    for r in taus:
+        by_bucket.setdefault((r["bucket_start"], r["bucket_end"]), {})[r["drafter"]] = r
+    lens = {r["drafter"]: r["train_len"] for r in taus}
+    lines += ["", f"| context positions | tau, trained at {lens.get('short')} | tau, trained at {lens.get('long')} "
+              "| verify steps (short / long) |", "|---|---|---|---|"]  # fmt: skip
+    for (start, end), row in sorted(by_bucket.items()):
+        cells = ["n/a" if row.get(k, {}).get("tau") is None else f"{row[k]['tau']:.2f}" for k in ("short", "long")]
+        steps = " / ".join(str(row.get(k, {}).get("verify_steps", 0)) for k in ("short", "long"))
+        lines.append(f"| {_span(start, end)} | {cells[0]} | {cells[1]} | {steps} |")
+    return "\n".join(lines) + "\n"
+
+
+def stage_report(run: str, scale: Scale, seed: int, records_path: str | None = None) -> list[dict]:
+    records = study_records(run, scale, _device_name(scale))
+    path = records_path or os.path.join(run, "records.jsonl")
+    _write_jsonl(path, records)
+    plot_study(records, os.path.join(run, "long_context.png"))
+    with open(os.path.join(run, "long_context_tables.md"), "w") as f:
+        f.write(tables_markdown(records))
+    for r in records:
+        if r.get("metric") == "tau":
+            end = "+" if r["bucket_end"] is None else f"-{r['bucket_end']}"
+            tau = "n/a" if r["tau"] is None else f"{r['tau']:.2f}"
+            _log(run, f"report: drafter {r['drafter']:5s} (trained at {r['train_len']}) positions "
+                      f"{r['bucket_start']}{end}: tau {tau} ({r['verify_steps']} steps)")  # fmt: skip
+    _log(run, f"report: {len(records)} records -> {path}; plot -> {os.path.join(run, 'long_context.png')}")
+    return records
+
+
+def run_stage(stage: str, scale_name: str, run: str, *, seed: int = 0, records: str | None = None,
+              overrides: dict | None = None) -> None:  # fmt: skip
+    """Run one stage (or "all": every stage in order) of the study at `scale_name` under `run`."""
+    if scale_name not in SCALES:
+        raise ValueError(f"--scale must be one of {', '.join(SCALES)}; got {scale_name!r}")
+    if stage not in (*STAGES, "all"):
+        raise ValueError(f"--stage must be one of {', '.join((*STAGES, 'all'))}; got {stage!r}")
+    scale = replace(SCALES[scale_name], **(overrides or {}))
+    os.makedirs(run, exist_ok=True)
+    for s in STAGES if stage == "all" else (stage,):
+        _log(run, f"== stage {s} (scale {scale.name}) in {run}")
+        if s == "report":
+            stage_report(run, scale, seed, records)
+        else:
+            {"target": stage_target, "capture": stage_capture, "train": stage_train, "eval": stage_eval}[s](
+                run, scale, seed
+            )
