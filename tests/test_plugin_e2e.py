@@ -11,7 +11,6 @@ export checked against SGLang's loader contract and reloaded with identical outp
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import re
@@ -28,10 +27,10 @@ STEPS = 3
 
 
 def _losses(stdout: str) -> dict[int, float]:
-    out = {}
-    for step, payload in re.findall(r"^step (\d+): (\{.*\})$", stdout, flags=re.MULTILINE):
-        out[int(step)] = float(ast.literal_eval(payload)["loss"])
-    return out
+    """Per-step losses from the run's console lines (plugin/reporting.py: `step N: loss=<repr> ...`)."""
+    return {
+        int(step): float(loss) for step, loss in re.findall(r"^step (\d+): loss=(\S+)", stdout, flags=re.MULTILINE)
+    }
 
 
 def _train(args: list[str], cwd: str) -> subprocess.CompletedProcess:
