@@ -104,9 +104,10 @@ class ProgressConsole:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"step": int(step), **clean}, sort_keys=True) + "\n")
         if any(k.startswith("eval/") for k in values):
-            parts = [
+            parts = [  # per-slot accuracy: tracker and metrics.jsonl only; SpecForge's simulated_acc_len is
+                # avg_acc again for a scalar-accuracy strategy (its Evaluator): est_tau is the estimate here
                 f"{k[len('eval/'):]}={v:.4g}" for k, v in values.items()
-                if k.startswith("eval/") and not k.startswith("eval/slot_acc_")
+                if k.startswith("eval/") and not k.startswith(("eval/slot_acc_", "eval/simulated_acc_len"))
             ]  # fmt: skip
             self._write(f"eval step {step}: " + " ".join(parts))
             return
