@@ -27,7 +27,13 @@ this micro-step's last one runs, when plugin/lookahead.py announces the next bat
 
 What runs is never taken on trust: the first sample's (store index, global step) must equal what was built,
 else that build is waited for, dropped, and the sample is built on the forward's own thread (as is every
-first sample nobody announced: no wrapper installed, the first batch of an epoch, eval forwards).
+first sample nobody announced: no wrapper installed, the first batch of an epoch).
+
+Every sample runs the shared per-sample step (models/dflash/step.py: `plan_sample`, `sample_terms`), the
+one `drafter_step` and the benchmarks run. Eval forwards (SpecForge's Evaluator; `self.training` False)
+read the eval store (`eval_store_path`, data.eval_hidden_states_path), build each sample on their own thread
+and leave the worker, its jobs and the look-ahead's build untouched, so an eval pass between two micro-steps
+changes nothing the next micro-step uses.
 Lifetime (prefetch.py): a micro-step's prepared masks stay referenced until the next micro-step starts
 (its backward launched by then), and they are dropped only after the build that was submitted before that
 backward - the look-ahead - has finished (taken, or waited for and dropped); every other running build was
