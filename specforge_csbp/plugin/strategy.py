@@ -136,8 +136,11 @@ class CSBPDraftTrainStrategy(DraftTrainStrategy):
             self._step, self._armed = step, True
             self._numerators.append(numerator.detach())  # checked before the optimizer step
 
+        # counts in at least float32 (a bf16 numerator would round a block count of 8K); float64 stays
+        dtype = torch.promote_types(numerator.dtype, torch.float32)
+
         def t(v):  # the module's sums stay on the device: no host sync between forward and backward
-            return v.detach().to(numerator.dtype) if torch.is_tensor(v) else numerator.new_full((), float(v))
+            return v.detach().to(dtype) if torch.is_tensor(v) else numerator.new_full((), float(v), dtype=dtype)
 
         ratios: dict[str, Any] = {
             "acc": (t(stats["correct"]), t(stats["supervised"])),
