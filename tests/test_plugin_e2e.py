@@ -11,6 +11,7 @@ export checked against SGLang's loader contract and reloaded with identical outp
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -27,10 +28,10 @@ STEPS = 3
 
 
 def _losses(stdout: str) -> dict[int, float]:
-    """Per-step losses from the run's console lines (plugin/reporting.py: `step N: loss=<repr> ...`)."""
-    return {
-        int(step): float(loss) for step, loss in re.findall(r"^step (\d+): loss=(\S+)", stdout, flags=re.MULTILINE)
-    }
+    out = {}
+    for step, payload in re.findall(r"^step (\d+): (\{.*\})$", stdout, flags=re.MULTILINE):
+        out[int(step)] = float(ast.literal_eval(payload)["loss"])
+    return out
 
 
 def _train(args: list[str], cwd: str) -> subprocess.CompletedProcess:

@@ -1,8 +1,8 @@
 """Eval during `specforge train --csbp` end to end (2 gloo ranks, CSBP cp_size 2, stock SpecForge 0.2.0):
 `capture --eval-fraction` writes the eval store, `data.eval_hidden_states_path` + `training.eval_interval`
 evaluate every 2 steps, and the run ends with bit-identical drafter weights and per-step losses to the same
-run without eval (real AdamW, DDP, data order, RNG); eval/* metrics reach metrics.jsonl and the console shows
-progress lines, not dict dumps."""
+run without eval (real AdamW, DDP, data order, RNG); eval/* metrics, est_tau and the per-slot accuracy reach
+metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -41,8 +41,6 @@ def test_eval_during_training_changes_nothing_it_trains(tmp_path):
                     "output_dir=eval-out"], str(tmp_path))  # fmt: skip
     a, b = _losses(plain.stdout), _losses(evals.stdout)
     assert sorted(a) == list(range(1, STEPS + 1)) and a == b, (plain.stdout[-1500:], evals.stdout[-1500:])
-    assert "{'" not in plain.stdout + evals.stdout  # progress lines, no dict dumps
-    assert evals.stdout.count("eval step ") == 2 and "est_tau=" in evals.stdout
     x, y = load_checkpoint(str(tmp_path / "plain-out")), load_checkpoint(str(tmp_path / "eval-out"))
     assert x.global_step == y.global_step == STEPS
     assert sorted(x.state_dict) == sorted(y.state_dict)

@@ -4,16 +4,15 @@ acceptance estimate and per-slot accuracy of SpecForge's eval passes.
     launcher: run = build_application_run(...); lookahead.install(run); reporting.install(run); run.run()
 
     TrainerController (SpecForge 0.2.0)          after install
-      _make_progress_bar() -> tqdm if a tty      -> on rank 0 of a terminal, one tqdm bar with the run's numbers:
-                                                    Training  40%|####      | 40/100 [loss=2.31 acc=0.412
-                                                    est_tau=1.83 tok/s=5.1e+04]
-                                                    without a terminal (log file, CI), one line per logged step:
-                                                    step 40: loss=2.3104... acc=0.412 est_tau=1.83 tok/s=5.1e+04
+      _make_progress_bar() -> tqdm if a tty      -> on rank 0 of a terminal, one tqdm bar with the run's numbers
+                                                    instead of a dict per step:
+                                                    Training  40%|####      | 40/100 [loss=2.31, acc=0.412,
+                                                    est_tau=1.83, tok/s=5.1e+04]   + `eval step N: ...` lines
       logger(metrics, step)                      -> every metric still goes to SpecForge's tracker (TrackerLogger
-        print(f"step {step}: {dict}")               .tracker, unchanged); the console part sets the bar's fields,
-                                                    prints one `eval step N: ...` line per eval pass, and rank 0
-                                                    appends {"step": N, metric: value, ...} to
-                                                    <output_dir>/metrics.jsonl (machine-readable, every metric)
+        print(f"step {step}: {dict}")               .tracker, unchanged); without a terminal (log file, pipe, CI)
+                                                    the console line stays SpecForge's `step N: {...}` (tools
+                                                    parse it: benchmarks, tests); rank 0 appends
+                                                    {"step": N, metric: value, ...} to <output_dir>/metrics.jsonl
       evaluate(data) -> Evaluator().run(...)     -> the same, then `eval/est_tau` and `eval/slot_acc_k` from the
                                                     strategy's eval sums (one all-reduce over the world)
 
@@ -59,21 +58,25 @@ def _plain(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 class ProgressConsole:
-    """The console side of SpecForge's `logger(metrics, step)` seam on one rank: a tqdm bar's fields (rank 0),
-    one line per eval pass, and `metrics.jsonl` (rank 0). `accumulation_steps` turns tokens per micro-step
-    into tokens per optimizer step."""
+    """The console side of SpecForge's `logger(metrics, step)` seam on one rank. On rank 0 of a terminal: a
+    tqdm bar whose fields show loss / acc / est_tau / tok/s, and one `eval step N: ...` line per eval pass.
+    Anywhere else (a log file, a pipe, CI, other ranks): `fallback`, SpecForge's own console line (`step N:
+    {...}`), unchanged - logs keep every number in the format tools already parse. Rank 0 also appends every
+    logged metric to `<output_dir>/metrics.jsonl`. `accumulation_steps` turns tokens per micro-step into
+    tokens per optimizer step."""
 
-    def __init__(self, output_dir: str | None, accumulation_steps: int = 1, total: int | None = None) -> None:
+    def __init__(
+        self, output_dir: str | None, accumulation_steps: int = 1, total: int | None = None, fallback=None
+    ) -> None:
         self.rank0 = _rank() == 0
         self.accumulation_steps = max(1, int(accumulation_steps))
-        self.total = total
+        self.total, self.fallback = total, fallback
         self.bar = None
         self.path = os.path.join(output_dir, METRICS_FILE) if output_dir and self.rank0 else None
 
     def make_bar(self, initial: int = 0):
         """The run's progress bar on rank 0 of an interactive terminal, else None (SpecForge calls
-        `update(1)` per optimizer step and closes it). Without a terminal (a log file, CI) each logged step is
-        one line instead: a redrawn bar would fill the log with carriage returns."""
+        `update(1)` per optimizer step and closes it)."""
         if not (self.rank0 and sys.stderr.isatty()):
             self.bar = None
             return None
@@ -96,35 +99,24 @@ class ProgressConsole:
 
     def __call__(self, metrics: Mapping[str, Any], step: int) -> None:
         values = _plain(metrics)
-        if not self.rank0:
-            return
         if self.path is not None:
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
             clean = {k: v for k, v in values.items() if math.isfinite(v)}
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"step": int(step), **clean}, sort_keys=True) + "\n")
+        if self.bar is None:
+            if self.fallback is not None:
+                self.fallback(metrics, step)
+            return
         if any(k.startswith("eval/") for k in values):
             parts = [  # per-slot accuracy: tracker and metrics.jsonl only; SpecForge's simulated_acc_len is
                 # avg_acc again for a scalar-accuracy strategy (its Evaluator): est_tau is the estimate here
                 f"{k[len('eval/'):]}={v:.4g}" for k, v in values.items()
                 if k.startswith("eval/") and not k.startswith(("eval/slot_acc_", "eval/simulated_acc_len"))
             ]  # fmt: skip
-            self._write(f"eval step {step}: " + " ".join(parts))
+            self.bar.write(f"eval step {step}: " + " ".join(parts), file=sys.stderr)
             return
-        shown = self.fields(values)
-        if self.bar is not None:
-            self.bar.set_postfix(shown, refresh=False)
-            return
-        # one line per logged step; the loss in full (shortest round-trip repr), so logs compare exactly
-        if "loss" in values:
-            shown["loss"] = repr(values["loss"])
-        self._write(f"step {step}: " + " ".join(f"{k}={v}" for k, v in shown.items()))
-
-    def _write(self, line: str) -> None:
-        if self.bar is not None:
-            self.bar.write(line, file=sys.stderr)
-        else:
-            print(line, flush=True)
+        self.bar.set_postfix(self.fields(values), refresh=False)
 
 
 def _with_eval_extras(controller, strategy):
@@ -152,13 +144,15 @@ def install(run: Any, output_dir: str | None = None) -> bool:
     if controller is None or not hasattr(controller, "logger") or not hasattr(controller, "_make_progress_bar"):
         return False
     total = controller.max_steps if controller.max_steps is not None else controller.total_steps
-    console = ProgressConsole(
-        output_dir or getattr(controller, "output_dir", None), getattr(core, "accumulation_steps", 1), total
-    )
     logger = controller.logger
-    if logger is not None and hasattr(logger, "console_logger"):  # SpecForge's TrackerLogger: tracker untouched
+    tracked = logger is not None and hasattr(logger, "console_logger")  # SpecForge's TrackerLogger
+    console = ProgressConsole(
+        output_dir or getattr(controller, "output_dir", None), getattr(core, "accumulation_steps", 1), total,
+        fallback=logger.console_logger if tracked else logger,
+    )  # fmt: skip
+    if tracked:  # the tracker itself is untouched: it still receives every metric
         logger.console_logger = console
-    else:  # the console-only logger (tracking.report_to: none): its dict print is replaced
+    else:  # the console-only logger (tracking.report_to: none)
         controller.logger = console
     controller._make_progress_bar = lambda: console.make_bar(controller.global_step)
     if strategy is not None and hasattr(strategy, "eval_extras"):
