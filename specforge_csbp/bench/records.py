@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 __all__ = ["BenchRecord", "load_records", "write_records"]
 
-Workload = str  # "attention" | "sft" | "convert" | "drafter" | "drafter-<shape>"
+Workload = str  # "attention" | "sft" | "convert" | "drafter" | "drafter-<shape>" | "eval"
 Mode = Literal["reference", "dp", "cp", "bp", "csbp", "torch-cp", "specforge"]
 
 

@@ -175,7 +175,7 @@ def _train(resolved, prepared: PreparedRun) -> int:
     from specforge.cli import _bootstrap_single_process_env
     from specforge.distributed import destroy_distributed, init_distributed
 
-    from . import groups, lookahead, reporting
+    from . import groups, lookahead, optimizer, reporting
 
     cfg = resolved.config
     os.environ["FSDP_SHARDING"] = cfg.training.fsdp_sharding
@@ -193,7 +193,8 @@ def _train(resolved, prepared: PreparedRun) -> int:
         if dist.get_rank() != 0 and not os.environ.get("SPECFORGE_CSBP_LOG_ALL_RANKS"):
             # SpecForge prints each step's line on every rank; keep rank 0's (stderr stays on everywhere)
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115
-        run = build_application_run(resolved)
+        with optimizer.install():  # SpecForge's BF16 AdamW, with fused / multi-tensor kernels
+            run = build_application_run(resolved)
         # the next micro-step's first sample is built while this one's last runs (changes nothing if this
         # SpecForge keeps its data stream elsewhere: plugin/lookahead.py)
         lookahead.install(run)

@@ -8,14 +8,16 @@ estimate `est_tau` and the tokens per micro-step go out as ratio metrics (summed
 the logged numbers are global too. In eval forwards (SpecForge's Evaluator) the loss and "acc" go through the
 evaluator; est_tau and the per-slot sums are kept here and finished by `eval_extras` (plugin/reporting.py).
 
-Non-finite guard (SpecForge's loop has none): each rank notes its first non-finite loss numerator
-(forward_loss) and, in a DDP communication hook, its own first non-finite gradient before the all-reduce
-mixes the ranks' gradients in. Backward still runs (the other ranks' attention collectives need this rank's
-part). At the optimizer boundary, a step pre-hook on SpecForge's inner AdamW (it fires after the gradient
-all-reduce and before any weight, moment or schedule changes) gathers every rank's finding and raises
-`NonFiniteError` on every rank, naming the rank and the tensor (loss before gradient, then the lowest rank;
-an overflow that only appears after the sum is named too). SpecForge saves no checkpoint on an exception,
-so the last checkpoint stays the last good step's.
+Non-finite guard (SpecForge's loop has none): each rank keeps its loss numerators (forward_loss) and, in a
+DDP communication hook, flags on the device which of its own gradients are non-finite before the all-reduce
+mixes the ranks' gradients in - nothing is read back during backward, so the host never waits for the GPU
+there. Backward still runs (the other ranks' attention collectives need this rank's part). At the optimizer
+boundary, a step pre-hook on SpecForge's inner AdamW (it fires after the gradient all-reduce and before any
+weight, moment or schedule changes) reduces every rank's verdict with one MAX all-reduce and reads it back
+once, with the summed gradients' norms; only on a failure are the details gathered, and `NonFiniteError` is
+raised on every rank, naming the rank and the tensor (loss before gradient, then the lowest rank; an overflow
+that only appears after the sum is named too). SpecForge saves no checkpoint on an exception, so the last
+checkpoint stays the last good step's.
 """
 
 from __future__ import annotations
@@ -58,11 +60,11 @@ class CSBPDraftTrainStrategy(DraftTrainStrategy):
     def _install_nonfinite_guard(self, inner: torch.nn.Module) -> None:
         self._named = [(n, p) for n, p in inner.draft_model.named_parameters() if p.requires_grad]
         self._order = {id(p): (i, f"draft_model.{n}.grad") for i, (n, p) in enumerate(self._named)}
-        self._found: tuple[int, str] | None = None  # (phase: 0 loss, 1 gradient; what), this rank
         # this optimizer step's loss numerators, checked when it is due: a check in forward_loss would make
         # the host wait for the forward pass before it launches backward
         self._numerators: list[torch.Tensor] = []
-        self._grad_found: tuple[int, str] | None = None  # (parameter index, what): the first in order
+        # per DDP bucket this micro-step: (parameter indices, their non-finite flags on the device)
+        self._grad_flags: list[tuple[list[int], torch.Tensor]] = []
         self._step = 0
         self._armed = False
         if isinstance(self.model, DistributedDataParallel):
@@ -80,47 +82,72 @@ class CSBPDraftTrainStrategy(DraftTrainStrategy):
         _GUARD_HANDLE = register_optimizer_step_pre_hook(before_step)
 
     def _note_grads(self, params, grads) -> None:
-        items = [(self._order[id(p)], g) for p, g in zip(params, grads) if id(p) in self._order]
-        what = first_nonfinite((name, g) for (_, name), g in items)
-        if what is not None:
-            index = next(i for (i, name), _ in items if what.startswith(name + " "))
-            if self._grad_found is None or index < self._grad_found[0]:
-                self._grad_found = (index, what)
+        """Record, on the device, which of these parameters' gradients are non-finite on this rank (one
+        fused norm per bucket; nothing is read back here, so backward is never stalled)."""
+        items = [(self._order[id(p)][0], g) for p, g in zip(params, grads) if id(p) in self._order and g is not None]
+        if items:
+            norms = torch._foreach_norm([g.detach() for _, g in items])
+            self._grad_flags.append(([i for i, _ in items], ~torch.isfinite(torch.stack(norms))))
 
     def _check_then_allreduce(self, process_group, bucket):
         """DDP comm hook: this rank's own gradients, then DDP's default averaging all-reduce."""
         self._note_grads(bucket.parameters(), bucket.gradients())
         return allreduce_hook(process_group, bucket)
 
+    def _local_finding(self, numerators: list[torch.Tensor]) -> tuple[int, str] | None:
+        """(phase, what) of this rank's first non-finite loss numerator, else gradient (slow path: reads back)."""
+        for n in numerators:
+            if not bool(torch.isfinite(n).all()):
+                return (0, f"loss numerator ({float(n)})")
+        if not self._grad_flags:
+            return None
+        index = torch.cat([torch.as_tensor(i) for i, _ in self._grad_flags])
+        bad = torch.cat([f for _, f in self._grad_flags]).cpu()
+        if not bool(bad.any()):
+            return None
+        first = int(index[bad].min())
+        name, param = self._named[first]
+        # the counts are of the gradient as it reaches the optimizer (after the ranks' all-reduce)
+        return (1, first_nonfinite([(f"draft_model.{name}.grad", param.grad)]) or f"draft_model.{name}.grad")
+
     def _before_optimizer_step(self) -> None:
+        """One host read per optimizer step decides: this rank's loss numerators and pre-all-reduce gradient
+        flags, every rank's verdict (one MAX all-reduce), and the summed gradients' norms."""
         if not self._armed:
             return
         self._armed = False
         if not isinstance(self.model, DistributedDataParallel):  # no comm hook: scan the gradients here
             self._note_grads([p for _, p in self._named], [p.grad for _, p in self._named])
         numerators, self._numerators = self._numerators, []
-        bad = [n for n in numerators if not torch.isfinite(n).all()]
-        if bad and self._found is None:
-            self._found = (0, f"loss numerator ({float(bad[0])})")
-        local = self._found or (None if self._grad_found is None else (1, self._grad_found[1]))
-        self._found, self._grad_found = None, None
+        grads = [p.grad.detach() for _, p in self._named if p.grad is not None]
+        device = grads[0].device if grads else (numerators[0].device if numerators else torch.device("cpu"))
+        local_bad = torch.zeros((), dtype=torch.int32, device=device)
+        for n in numerators:
+            local_bad = local_bad | (~torch.isfinite(n)).any().to(device, torch.int32)
+        for _, flags in self._grad_flags:
+            local_bad = local_bad | flags.any().to(device, torch.int32)
         group = getattr(self.model, "process_group", None) if dist.is_initialized() else None
-        if dist.is_initialized():
-            flags = [None] * dist.get_world_size(group)
-            dist.all_gather_object(flags, local is not None, group=group)
-            any_bad = any(flags)
-        else:
-            any_bad = local is not None
-        if any_bad:
-            raise NonFiniteError(first_offender(self._step, local, group))
-        # finite on every rank, yet the averaged gradients overflow (the same on every rank: no collective)
-        where = first_nonfinite((f"draft_model.{n}.grad", p.grad) for n, p in self._named)
-        if where is not None:
-            raise NonFiniteError(
-                f"step {self._step + 1}: non-finite gradient after the all-reduce over ranks (overflow): first "
-                f"offending tensor {where}; the step was not applied (weights, optimizer state and "
-                f"checkpoints are those of step {self._step})"
-            )
+        any_bad = local_bad.clone()
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(any_bad, op=dist.ReduceOp.MAX, group=group)
+        summed_bad = (
+            (~torch.isfinite(torch.stack(torch._foreach_norm(grads)))).any().to(device, torch.int32)
+            if grads else torch.zeros((), dtype=torch.int32, device=device)
+        )  # fmt: skip
+        verdict = torch.stack([any_bad, summed_bad]).tolist()  # the guard's one host sync
+        try:
+            if verdict[0]:
+                local = self._local_finding(numerators) if int(local_bad) else None
+                raise NonFiniteError(first_offender(self._step, local, group))
+            if verdict[1]:  # finite on every rank, yet the averaged gradients overflow (the same on every rank)
+                where = first_nonfinite((f"draft_model.{n}.grad", p.grad) for n, p in self._named)
+                raise NonFiniteError(
+                    f"step {self._step + 1}: non-finite gradient after the all-reduce over ranks (overflow): first "
+                    f"offending tensor {where}; the step was not applied (weights, optimizer state and "
+                    f"checkpoints are those of step {self._step})"
+                )
+        finally:
+            self._grad_flags = []
 
     def trainable_module(self) -> torch.nn.Module:
         return self.model

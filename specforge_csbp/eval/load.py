@@ -1,0 +1,129 @@
+"""Load a drafter and its target for evaluation, and refuse a pair that does not fit, in one line each.
+
+Drafters come through export/checkpoint.py's `load_checkpoint` - a training output directory (its latest
+checkpoint), one checkpoint, or an exported SGLang / HF directory: the export writes the model's own
+parameter names (SGLang's), so one loader and one name set serve all of them. `untrained=True` keeps the
+config and draws fresh weights (seeded): the baseline a trained drafter is compared with.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = [
+    "DTYPES",
+    "check_pair",
+    "check_positions",
+    "load_drafter",
+    "load_eval_target",
+    "load_target_config",
+    "resolve_dtype",
+]
+
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> str:
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    if dtype == "auto":
+        return "bfloat16" if device.type == "cuda" else "float32"
+    return dtype
+
+
+def load_drafter(path: str, *, untrained: bool = False, seed: int = 0, dtype: str, device: torch.device):
+    """(model, DrafterCheckpoint) on `device` in `dtype`, in eval mode."""
+    from ..export.checkpoint import load_checkpoint
+    from ..models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel
+
+    if not os.path.exists(path):
+        raise ValueError(f"--drafter: {path} does not exist")
+    ckpt = load_checkpoint(path)
+    cls = DFlash2DraftModel if ckpt.architecture == "DFlash2DraftModel" else DFlashDraftModel
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(ckpt.config)
+    if not untrained:
+        model.load_state_dict(ckpt.state_dict, strict=True)
+    return model.to(device=device, dtype=getattr(torch, dtype)).eval(), ckpt
+
+
+def load_target_config(path: str):
+    """The target's config alone (the pair checks run before any weight is read)."""
+    from transformers import AutoConfig
+
+    if not os.path.exists(path):
+        raise ValueError(f"--target: {path} does not exist")
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as err:  # noqa: BLE001 - any unreadable config is the same one-line error
+        first = str(err).splitlines()[0][:120]
+        raise ValueError(f"--target: {path} has no readable config.json ({first})") from None
+
+
+def load_eval_target(path: str, *, dtype: str, device: torch.device, seed: int = 0):
+    """A transformers causal LM (sdpa attention); a directory with a config but no weights gets the seeded
+    random weights `specforge-csbp capture` uses for it."""
+    from ..data.capture import load_target
+
+    if not os.path.exists(path):
+        raise ValueError(f"--target: {path} does not exist")
+    model, _ = load_target(path, dtype=dtype, device=str(device), seed=seed)
+    return model
+
+
+def check_pair(drafter_config, target_config) -> None:
+    """The drafter must read this target: hidden size, layer ids, vocabulary, mask token."""
+    from ..data.capture import check_target_layer_ids
+
+    t = target_config.get_text_config()
+    d = drafter_config
+    if int(d.hidden_size) != int(t.hidden_size):
+        raise ValueError(
+            f"hidden_size: the drafter has {d.hidden_size}, the target {t.hidden_size}; a drafter reads its "
+            "target's hidden states and embeddings, so they must be equal"
+        )
+    if int(d.vocab_size) != int(t.vocab_size):
+        raise ValueError(
+            f"vocab_size: the drafter has {d.vocab_size}, the target {t.vocab_size}; the drafter uses the "
+            "target's embeddings and LM head, so they must be equal"
+        )
+    if int(d.target_num_layers) != int(t.num_hidden_layers):
+        raise ValueError(
+            f"num_target_layers: the drafter was built for a target of {d.target_num_layers} layers, this "
+            f"target has {t.num_hidden_layers}"
+        )
+    try:
+        check_target_layer_ids(d.target_layer_ids, int(t.num_hidden_layers))
+    except ValueError as err:
+        raise ValueError(f"dflash_config.{err}") from None
+    if not 0 <= int(d.mask_token_id) < int(t.vocab_size):
+        raise ValueError(
+            f"dflash_config.mask_token_id = {d.mask_token_id} is outside the target's vocabulary "
+            f"0..{int(t.vocab_size) - 1}"
+        )
+
+
+def check_positions(prompts, max_new_tokens: int, block_size: int, target_config) -> None:
+    """Every token must be in the target's vocabulary, and every position a run can reach (the last verify
+    block included) one the target has."""
+    text = target_config.get_text_config()
+    vocab = int(text.vocab_size)
+    for i, prompt in enumerate(prompts):
+        bad = prompt[(prompt < 0) | (prompt >= vocab)]
+        if bad.numel():
+            raise ValueError(
+                f"prompt {i}: token id {int(bad[0])} is outside the target's vocabulary 0..{vocab - 1}"
+            )
+    limit = getattr(text, "max_position_embeddings", None)
+    if limit is None:
+        return
+    for i, prompt in enumerate(prompts):
+        need = int(prompt.shape[0]) + max_new_tokens + block_size - 1
+        if need > int(limit):
+            raise ValueError(
+                f"prompt {i}: {int(prompt.shape[0])} tokens + --max-new-tokens {max_new_tokens} + block_size "
+                f"{block_size} - 1 = {need} positions exceed the target's max_position_embeddings = {limit}"
+            )

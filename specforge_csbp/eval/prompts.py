@@ -1,0 +1,114 @@
+"""Prompts for `specforge-csbp eval`: token ids from a JSONL file or from a feature store's samples.
+
+JSONL, one record a line, any of:
+    {"input_ids": [...]}                      used as is
+    {"text": "..."}                           tokenized with the target's tokenizer
+    {"messages": [{"role", "content"}, ...]}  trailing assistant turns dropped, the target's chat template
+                                              applied with the generation prompt (the model answers)
+Feature store (data/store.py): each sample's tokens up to its first supervised token (the prompt of a
+chat sample); a sample supervised from its first token (a document) is used whole. `split` picks held-out
+samples: a store directory `STORE/<split>/` of its own, samples whose manifest entry carries
+`split: <split>`, or the ids a manifest-level `splits: {<split>: [...]}` lists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+
+import torch
+
+__all__ = ["jsonl_prompts", "store_prompts"]
+
+
+def _tokenizer(target: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(target)
+    except Exception as err:  # noqa: BLE001 - any failure is the same one-line error
+        raise ValueError(
+            f"--prompts: text or chat records need the target's tokenizer, and {target} has none "
+            f"({str(err).splitlines()[0][:120]}); give input_ids records instead"
+        ) from None
+
+
+def _ids(encoded) -> list[int]:
+    if isinstance(encoded, Mapping):  # transformers 5 returns a BatchEncoding from apply_chat_template
+        encoded = encoded["input_ids"]
+    return [int(t) for t in encoded]
+
+
+def jsonl_prompts(path: str, target: str, limit: int | None = None) -> list[torch.Tensor]:
+    if not os.path.isfile(path):
+        raise ValueError(f"--prompts: {path} does not exist")
+    prompts: list[torch.Tensor] = []
+    tokenizer = None
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if limit is not None and len(prompts) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"--prompts: {path}:{line_no} is not JSON ({err.msg})") from None
+            if isinstance(record, dict) and "input_ids" in record:
+                ids = [int(t) for t in record["input_ids"]]
+            elif isinstance(record, dict) and ("text" in record or "messages" in record):
+                tokenizer = tokenizer or _tokenizer(target)
+                if "text" in record:
+                    ids = _ids(tokenizer(str(record["text"]))["input_ids"])
+                else:
+                    messages = list(record["messages"])
+                    while messages and messages[-1].get("role") == "assistant":
+                        messages.pop()
+                    encoded = tokenizer.apply_chat_template(
+                        messages, add_generation_prompt=True, tokenize=True
+                    )
+                    ids = _ids(encoded)
+            else:
+                raise ValueError(
+                    f"--prompts: {path}:{line_no} needs one of the fields input_ids, text, messages"
+                )
+            if not ids:
+                raise ValueError(f"--prompts: {path}:{line_no} is an empty prompt")
+            prompts.append(torch.tensor(ids, dtype=torch.long))
+    if not prompts:
+        raise ValueError(f"--prompts: {path} has no records")
+    return prompts
+
+
+def _split_ids(store, root: str, split: str) -> list[str]:
+    marked = [e.id for e in store.manifest.samples if getattr(e, "split", None) == split]
+    if marked:
+        return marked
+    listed = (getattr(store.manifest, "splits", None) or {}).get(split)  # a manifest-level {name: [ids]}
+    if listed:
+        return [str(i) for i in listed]
+    raise ValueError(
+        f"--split: the store at {root} has no split {split!r} (neither {os.path.join(root, split)}/ "
+        f"nor samples marked split={split!r}); leave --split out to use every sample"
+    )
+
+
+def store_prompts(root: str, split: str | None = None, limit: int | None = None) -> list[torch.Tensor]:
+    from ..data.store import FeatureStore
+
+    if not os.path.isdir(root):
+        raise ValueError(f"--store: {root} does not exist")
+    if split is not None and os.path.isdir(os.path.join(root, split)):
+        root, split = os.path.join(root, split), None
+    store = FeatureStore(root, verify="trust")
+    ids = store.sample_ids if split is None else _split_ids(store, root, split)
+    prompts = []
+    for sample_id in ids[:limit]:
+        tokens, mask = store.read_tokens(sample_id)
+        supervised = torch.nonzero(mask).flatten()
+        first = int(supervised[0]) if supervised.numel() else 0
+        prompts.append(tokens[:first] if first > 0 else tokens)
+    if not prompts:
+        raise ValueError(f"--store: the store at {root} holds no samples")
+    return prompts
