@@ -11,9 +11,18 @@ import os
 
 import torch
 import yaml
-from test_plugin_e2e import ASSETS, DRAFTER, _losses, _train
+from test_plugin_e2e import ASSETS, DRAFTER, _train
 
 STEPS = 4
+
+
+def _logged(out_dir) -> list[dict]:
+    """Every logged step's metrics of a run (plugin/reporting.py: <output_dir>/metrics.jsonl, rank 0)."""
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(out_dir) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in _logged(out_dir) if "loss" in m}  # JSON floats round-trip exactly
 
 
 def test_eval_during_training_changes_nothing_it_trains(tmp_path):
@@ -39,13 +48,13 @@ def test_eval_during_training_changes_nothing_it_trains(tmp_path):
     plain = _train(["--csbp", "-c", "run.yaml"], str(tmp_path))
     evals = _train(["--csbp", "-c", "run.yaml", "data.eval_hidden_states_path=store-eval", "training.eval_interval=2",
                     "output_dir=eval-out"], str(tmp_path))  # fmt: skip
-    a, b = _losses(plain.stdout), _losses(evals.stdout)
+    a, b = _losses(tmp_path / "plain-out"), _losses(tmp_path / "eval-out")
     assert sorted(a) == list(range(1, STEPS + 1)) and a == b, (plain.stdout[-1500:], evals.stdout[-1500:])
     x, y = load_checkpoint(str(tmp_path / "plain-out")), load_checkpoint(str(tmp_path / "eval-out"))
     assert x.global_step == y.global_step == STEPS
     assert sorted(x.state_dict) == sorted(y.state_dict)
     assert all(torch.equal(x.state_dict[k], y.state_dict[k]) for k in x.state_dict)
-    logged = [json.loads(line) for line in (tmp_path / "eval-out" / "metrics.jsonl").read_text().splitlines()]
+    logged = _logged(tmp_path / "eval-out")
     evaluated = [m for m in logged if "eval/est_tau" in m]
     assert [m["step"] for m in evaluated] == [2, 4]
     assert all({"eval/avg_loss", "eval/avg_acc", "eval/slot_acc_1"} <= set(m) for m in evaluated)
