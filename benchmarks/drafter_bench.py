@@ -58,7 +58,6 @@ from specforge_csbp.models.dflash import (
     DFlash2DraftModel,
     DFlashDraftModel,
     DrafterSample,
-    drafter_plans,
     drafter_step,
     make_dflash_config,
     plan_attention,
@@ -66,7 +65,7 @@ from specforge_csbp.models.dflash import (
 from specforge_csbp.models.dflash.configuration import DFlashConfig
 from specforge_csbp.models.dflash.prefetch import AttentionOptions, StepPrefetcher, stage_indices
 from specforge_csbp.models.dflash.sharding import prepare_plan_attention, reference_attention
-from specforge_csbp.models.dflash.step import prepare_step
+from specforge_csbp.models.dflash.step import plan_sample, prepare_step
 from specforge_csbp.objectives.dflash import DFlashObjective, block_targets, loss_terms, sample_anchors
 from specforge_csbp.parallel.sharded_attention import resolve_schedule
 
@@ -445,11 +444,9 @@ def make_samples(mode, L, N, config, width, env, seed, dtype=None):
         if mode == "dp" and i % P != env.rank:
             samples.append(DrafterSample(ids, mask, None))  # another rank's sequence: never read here
             continue
-        anchors = sample_anchors(mask, objective, block_size=config.draft_block_size, step=0, sample_index=i)
-        plan_mode = "reference" if mode == "dp" or P == 1 else mode
-        plan = drafter_plans(plan_mode, L, anchors, config, 1 if plan_mode == "reference" else P)[
-            0 if plan_mode == "reference" else env.rank
-        ]
+        # the context rows this rank reads, from the plan the shared step makes (step.plan_sample)
+        plan, _ = plan_sample(config, DrafterSample(ids, mask, None), objective=objective, mode=mode, world=P,
+                              rank=env.rank, step=0, sample_index=i)  # fmt: skip
         feats = Features(plan.ctx_intervals, width, env, seed + 100 + i, dtype)
         samples.append(DrafterSample(ids, mask, feats))
     return objective, samples

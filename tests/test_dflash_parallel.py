@@ -145,7 +145,9 @@ def test_every_mode_equals_the_reference(world, results):
         assert not res["zero_grads"], f"{res['case']}: parameters without gradient {res['zero_grads']}"
         for name, err in res["errors"].items():
             assert err <= TOL, f"{res['case']}: {name} max relative error {err:.3e}"
-        for key in ("acc", "supervised", "vocab_loss"):
+        slots = [k for k in res["ref_metrics"] if k.startswith("slot_acc_")]  # slots 1 .. S-1
+        assert len(slots) == eval(res["case"]).block_size - 1
+        for key in ("acc", "supervised", "vocab_loss", "est_tau", *slots):  # est_tau: summed, exact too
             assert res["metrics"][key] == pytest.approx(res["ref_metrics"][key], rel=1e-10), (
                 res["case"],
                 key,

@@ -58,7 +58,8 @@ def _write(tmp_path, training=None, nproc=4, store="store", csbp=None, **top):
         ({"fsdp_sharding": "FULL_SHARD"}, {"csbp": True}, [], "training.fsdp_sharding='FULL_SHARD'"),
         ({"strategyy": "dflash"}, {"csbp": True}, [], "training.strategyy: Extra inputs are not permitted"),
         ({}, {"csbp": True}, ["data.eval_hidden_states_path=ev", "training.eval_interval=5"],
-         "data.eval_hidden_states_path: dflash2-csbp does not evaluate during training yet"),
+         "data.eval_hidden_states_path=ev is not a feature store (no manifest.json); fill one with "
+         "`specforge-csbp capture` --eval-fraction F (it writes OUT-eval)"),
     ],
 )  # fmt: skip
 def test_bad_inputs_are_one_line_errors_naming_the_flag_or_field(

@@ -18,7 +18,9 @@ a stub (backward, gradient scaling, a snapshot of the gradients at each optimize
     run "resume"   SpecForge resumes mid-epoch 0 (seek through the wrapper): the same batches and steps as
                    "plain"'s micro-steps 3 .. 6, and the look-ahead works after the resume
     run "evals"    SpecForge's evaluation after every optimizer step (eval forwards in between): training
-                   bit-identical to "plain"; the eval forward drops the announced build, nothing else changes
+                   bit-identical to "plain"; eval forwards build on their own and leave the announced build
+                   alone (the same builds are used as in "ahead")
+    run "resume_evals"  "resume" with SpecForge's evaluation after every optimizer step: identical to "resume"
 """
 
 import os
@@ -141,9 +143,10 @@ def _run(name, root, out_dir, rank, masks, *, look_ahead, lie=None, start=None, 
         record["own_masks"].append(masks.counts.get(MAIN, 0) - before)
         return out
 
-    def logged_prepare(index, step, groups):
-        record["prepared"].append([threading.current_thread().name == MAIN, int(index), int(step)])
-        return prepare(index, step, groups)
+    def logged_prepare(index, step, groups, **kwargs):
+        if tm.training:  # eval forwards prepare on their own (training_model._eval_forward)
+            record["prepared"].append([threading.current_thread().name == MAIN, int(index), int(step)])
+        return prepare(index, step, groups, **kwargs)
 
     tm.forward, tm._prepare = counted_forward, logged_prepare
     position, world = start or {}, dist.get_world_size()
@@ -200,15 +203,19 @@ def _worker(rank, world, out_dir):
         return (index, step + 1) if n == 4 else (index, step)
 
     wrong, wrong_backend = _run("wrong", root, out_dir, rank, masks, look_ahead=True, lie=lie)
-    resume, _ = _run("resume", root, out_dir, rank, masks, look_ahead=True, start={"step": 1, "batch": 2})
+    resume, resume_backend = _run("resume", root, out_dir, rank, masks, look_ahead=True, start={"step": 1, "batch": 2})
     evals, evals_backend = _run("evals", root, out_dir, rank, masks, look_ahead=True, evaluate=True)
+    resume_evals, resume_evals_backend = _run("resume_evals", root, out_dir, rank, masks, look_ahead=True,
+                                              start={"step": 1, "batch": 2}, evaluate=True)  # fmt: skip
     identical = [_identical(plain_backend, b) for b in (ahead_backend, wrong_backend, evals_backend)]
+    identical.append(_identical(resume_backend, resume_evals_backend))
     flags = [None] * world  # [[ahead, wrong, evals] of rank 0, of rank 1]
     dist.all_gather_object(flags, identical)
     results = {
         "plain": plain, "ahead": ahead, "wrong": wrong, "resume": resume, "evals": evals, "lie_index": others[0],
         "ahead_identical": [f[0] for f in flags], "wrong_identical": [f[1] for f in flags],
-        "evals_identical": [f[2] for f in flags],
+        "evals_identical": [f[2] for f in flags], "resume_evals": resume_evals,
+        "resume_evals_identical": [f[3] for f in flags],
         "optimizer_steps": len(plain_backend.grads), "losses": len(plain_backend.losses),
     }  # fmt: skip
     if rank == 0:
@@ -272,9 +279,19 @@ def test_eval_forwards_between_steps_change_nothing(results):
     assert evals["eval_forwards"] == 9  # 3 batches after each of the 3 optimizer steps
     assert (evals["index"], evals["step"]) == (plain["index"], plain["step"])
     assert results["evals_identical"] == [True, True]
-    # an eval forward drops the announced build (micro-steps 3 and 5 build their own); 2 and 6 use theirs
-    assert [n > 0 for n in evals["own_masks"]] == [True, False, True, True, True, False], evals["own_masks"]
-    assert evals["stats"] == {"ahead_used": 2, "ahead_discarded": 2}
+    # an eval forward leaves the announced build alone: every announced micro-step still uses its build
+    assert evals["own_masks"] == [n for n in results["ahead"]["own_masks"]], evals["own_masks"]
+    assert [n > 0 for n in evals["own_masks"]] == [True, False, False, True, False, False], evals["own_masks"]
+    assert evals["stats"] == {"ahead_used": 4, "ahead_discarded": 0}
+
+
+def test_a_resumed_run_is_unchanged_by_eval(results):
+    """Resumed mid-epoch 0, with SpecForge's eval after every optimizer step: the same batches, steps, losses
+    and gradients as the same resume without eval."""
+    resume, evals = results["resume"], results["resume_evals"]
+    assert (evals["index"], evals["step"]) == (resume["index"], resume["step"])
+    assert evals["eval_forwards"] == 6  # 3 batches after each of the resumed run's 2 optimizer steps
+    assert results["resume_evals_identical"] == [True, True]
 
 
 class _Batch:

@@ -9,11 +9,14 @@ target seeded by `--seed` (the tiny quickstart target; `--save-target DIR` write
 loads the same ones). Target layer ids come from `--target-layer-ids 1,3,5` or from the drafter config's
 `dflash_config.target_layer_ids`; id k is the output of decoder layer k (SpecForge/SGLang convention).
 Samples with no two consecutive supervised tokens are skipped (a DFlash anchor needs its next token).
+`--eval-fraction F` holds out a deterministic share F of the samples (by sample id: data/split.py) in a second
+store `OUT-eval`, for `data.eval_hidden_states_path`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -80,6 +83,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attn-implementation", default="sdpa", help="transformers attention (sdpa, eager, ...)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing store at --out")
     p.add_argument("--resume", action="store_true", help="append to the store at --out, skipping ids it has")
+    p.add_argument("--eval-fraction", type=float, default=0.0, metavar="F",
+                   help="hold out this share of samples (by sample id, deterministic) in the store OUT-eval, "
+                   "for data.eval_hidden_states_path (default 0: none)")  # fmt: skip
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
@@ -143,7 +149,11 @@ def run(args: argparse.Namespace) -> int:
     from ..data.store import FeatureStoreWriter, check_out_dir
     from ..preflight import check_input_file, check_writable_dir
 
+    from ..data.split import check_eval_fraction, eval_store_dir, held_out
+
     layer_ids = resolve_layer_ids(args)
+    fraction = check_eval_fraction(args.eval_fraction)
+    eval_out = eval_store_dir(args.out) if fraction > 0 else None
     if args.max_length < 1:
         raise ValueError(f"--max-length must be >= 1, got {args.max_length}")
     if args.num_samples is not None and args.num_samples < 1:
@@ -156,8 +166,9 @@ def run(args: argparse.Namespace) -> int:
     check_writable_dir(args.out, "--out")
     if args.save_target:
         check_writable_dir(args.save_target, "--save-target")
-    if not (args.resume and os.path.isfile(os.path.join(args.out, "manifest.json"))):
-        check_out_dir(args.out, args.overwrite)  # fail before loading a large target
+    for out in (args.out, eval_out) if eval_out else (args.out,):
+        if not (args.resume and os.path.isfile(os.path.join(out, "manifest.json"))):
+            check_out_dir(out, args.overwrite)  # fail before loading a large target
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device: {args.device} requested but torch.cuda.is_available() is False")
     if not os.path.exists(args.target):
@@ -179,7 +190,16 @@ def run(args: argparse.Namespace) -> int:
         model.save_pretrained(args.save_target)
         tokenizer.save_pretrained(args.save_target)
     vocab = int(model.config.get_text_config().vocab_size)
-    stored = skipped = present = tokens = 0
+    stored = skipped = present = tokens = held = 0
+    opened = {}  # output directory -> its writer (the training store, and OUT-eval with --eval-fraction)
+
+    def writer_for(out: str):
+        if out not in opened:
+            opened[out] = FeatureStoreWriter(
+                out, target=info, target_layer_ids=layer_ids, hidden_size=features.hidden_size,
+                dtype=args.store_dtype or args.dtype, overwrite=args.overwrite, resume=args.resume,
+            )  # fmt: skip
+        return opened[out]
 
     def terminate(signum, _frame):
         raise _Terminated(signum)
@@ -187,19 +207,20 @@ def run(args: argparse.Namespace) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, terminate) if main_thread else None
     try:
-        with FeatureStoreWriter(
-            args.out, target=info, target_layer_ids=layer_ids, hidden_size=features.hidden_size,
-            dtype=args.store_dtype or args.dtype, overwrite=args.overwrite, resume=args.resume,
-        ) as writer:  # fmt: skip
+        with contextlib.ExitStack() as stack:
+            writer = stack.enter_context(writer_for(args.out))
+            if eval_out:
+                stack.enter_context(writer_for(eval_out))
             bar = tqdm(_records(args.data), total=total, desc="capture", unit="sample", disable=args.no_progress)
             for line, record, sid in bar:
                 where = f"line {line + 1} of {args.data}"
                 identity = _record_sha256(record, args.max_length)
-                if writer.has(sid):
-                    old = writer.entry(sid).record_sha256
+                target = opened[eval_out] if eval_out and held_out(sid, fraction) else writer
+                if target.has(sid):
+                    old = target.entry(sid).record_sha256
                     if old is not None and old != identity:
                         raise ValueError(
-                            f"--resume: {where} (sample id {sid!r}) is not the record the store at {args.out} "
+                            f"--resume: {where} (sample id {sid!r}) is not the record the store at {target.root} "
                             "captured under that id (another data file or --max-length); use --overwrite or a "
                             "new --out"
                         )
@@ -212,12 +233,15 @@ def run(args: argparse.Namespace) -> int:
                 if not has_consecutive_supervised(loss_mask):
                     skipped += 1
                     continue
-                writer.add(sid, input_ids, loss_mask, features(input_ids), record_sha256=identity)
+                target.add(sid, input_ids, loss_mask, features(input_ids), record_sha256=identity)
+                if target is not writer:  # held out: --num-samples counts the training store's samples
+                    held += 1
+                    continue
                 stored, tokens = stored + 1, tokens + int(input_ids.numel())
                 bar.set_postfix(tokens=str(tokens), skipped=skipped)
                 if args.num_samples is not None and stored >= args.num_samples:
                     break
-            if stored + present == 0:
+            if stored + present + held == 0:
                 raise ValueError(
                     f"--data: none of the {total} records of {args.data} has two consecutive supervised "
                     f"tokens within --max-length {args.max_length} (chat records need an assistant turn); "
@@ -234,4 +258,7 @@ def run(args: argparse.Namespace) -> int:
     kept = f"; kept {present} from an earlier run" if present else ""
     print(f"capture: wrote {stored} samples ({tokens} tokens) to {args.out}; skipped {skipped} without two "
           f"consecutive supervised tokens{kept}")  # fmt: skip
+    if eval_out:
+        print(f"capture: held out {held} samples (--eval-fraction {fraction}) in {eval_out}; "
+              f"train with data.eval_hidden_states_path={eval_out}")  # fmt: skip
     return 0

@@ -48,6 +48,7 @@ __all__ = [
     "DFlashObjective",
     "LossIndex",
     "LossTerms",
+    "acceptance_stats",
     "block_targets",
     "dpace_weights",
     "loss_index",
@@ -250,7 +251,8 @@ def dpace_weights(prob: torch.Tensor, supervised: torch.Tensor, alpha: float, ki
 class LossTerms:
     numerator: torch.Tensor  # vocab + alpha * selector (with grad)
     denominator_part: float  # this call's share of the global denominator (not used to divide here)
-    stats: dict[str, torch.Tensor]  # detached 0-d sums: nll, weight, correct, supervised, covered, selector_*
+    # detached sums: 0-d nll, weight, correct, supervised, accepted, blocks, covered, selector_*; [S] slot_*
+    stats: dict[str, torch.Tensor]
 
 
 def denominator_part(blocks: BlockTargets, objective: DFlashObjective, block_size: int) -> float:
@@ -259,6 +261,29 @@ def denominator_part(blocks: BlockTargets, objective: DFlashObjective, block_siz
         return 0.0
     w = position_weights(block_size, objective.gamma, dtype=torch.float64)
     return float((blocks.supervised.cpu().to(torch.float64) * w).sum())
+
+
+def acceptance_stats(
+    hit: torch.Tensor, index: LossIndex, n: int, s: int, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Per-slot correctness and the training-time acceptance estimate of `n` blocks of `s` slots.
+
+        slot             0   1   2   3   4        hit: draft argmax == target (supervised slots only)
+        block b         [a]  ok  ok  no  ok       leading run of correct slots 1.. = 2 -> accepted 1 + 2 = 3
+        block c         [a]  no  ok  ok  -        run 0 -> accepted 1 (an unsupervised slot ends a run too)
+
+    `accepted` sums 1 + leading run over the blocks (what a verifier whose greedy tokens are the labels would
+    accept, bonus token included), `blocks` counts them: est_tau = accepted / blocks. `slot_correct[k]` /
+    `slot_supervised[k]` is slot k's accuracy (slot 0 is never supervised: 0 / 0). All sums, so ranks' shares
+    add up to the single-process value exactly."""
+    device = hit.device
+    grid = torch.zeros(n * s, dtype=dtype, device=device).index_copy_(0, index.rows, hit.to(dtype)).view(n, s)
+    return {
+        "accepted": grid[:, 1:].cumprod(dim=1).sum() + n,
+        "blocks": torch.full((), float(n), dtype=dtype, device=device),  # a fill, not a copy
+        "slot_correct": grid.sum(dim=0),
+        "slot_supervised": index.supervised.to(dtype).sum(dim=0),
+    }
 
 
 def loss_terms(
@@ -302,11 +327,13 @@ def loss_terms(
     # zero-weight tie to the whole graph: backward (and its collectives) runs even with no supervised row
     numerator = vocab + hidden.sum().to(vocab.dtype) * 0.0
     acc = nll.dtype
+    hit = top_i[:, 0] == y
     stats = {  # tensors, so nothing waits for the device before the step's single metrics reduction
         "nll": (nll.detach() * w).sum(),
         "weight": w.sum(),
-        "correct": (top_i[:, 0] == y).sum().to(acc),
+        "correct": hit.sum().to(acc),
         "supervised": torch.full((), float(y.numel()), dtype=acc, device=nll.device),  # a fill, not a copy
+        **acceptance_stats(hit, index, n, s, acc),
     }
     if alpha > 0:
         match = top_i == y[:, None]

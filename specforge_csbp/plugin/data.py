@@ -42,25 +42,26 @@ STORAGE_FORMAT = "specforge_csbp_feature_store_v1"
 _CHUNK = 4096  # index entries per index file (one torch.load per sample reads one small file)
 
 
-def check_store_path(path: str) -> None:
-    """One-line ValueError naming data.hidden_states_path unless `path` is a feature store."""
+def check_store_path(path: str, field: str = "data.hidden_states_path") -> None:
+    """One-line ValueError naming `field` (data.hidden_states_path or data.eval_hidden_states_path) unless
+    `path` is a feature store."""
     from ..data.manifest import MANIFEST_NAME
 
     if not path:
-        raise ValueError("data.hidden_states_path: empty; CSBP strategies train from a feature store")
+        raise ValueError(f"{field}: empty; CSBP strategies train from a feature store")
     if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
         return
     if os.path.isdir(path) and any(
         n.endswith((".ckpt", ".ckpt.gz")) for _, _, ns in os.walk(path) for n in ns
     ):
         raise ValueError(
-            f"data.hidden_states_path={path} holds SpecForge offline records, not a CSBP feature store; convert "
-            f"once with `specforge-csbp import-specforge {path} OUT` and point data.hidden_states_path at OUT"
+            f"{field}={path} holds SpecForge offline records, not a CSBP feature store; convert "
+            f"once with `specforge-csbp import-specforge {path} OUT` and point {field} at OUT"
         )
-    raise ValueError(
-        f"data.hidden_states_path={path} is not a feature store (no {MANIFEST_NAME}); "
-        "fill one with `specforge-csbp capture`"
-    )
+    hint = "fill one with `specforge-csbp capture`"
+    if field != "data.hidden_states_path":
+        hint += " --eval-fraction F (it writes OUT-eval)"
+    raise ValueError(f"{field}={path} is not a feature store (no {MANIFEST_NAME}); {hint}")
 
 
 class StoreIndexReader:

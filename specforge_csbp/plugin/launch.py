@@ -224,7 +224,7 @@ def _train(resolved, prepared: PreparedRun) -> int:
     from specforge.cli import _bootstrap_single_process_env
     from specforge.distributed import destroy_distributed, init_distributed
 
-    from . import groups, lookahead, optimizer
+    from . import groups, lookahead, optimizer, reporting
 
     cfg = resolved.config
     os.environ["FSDP_SHARDING"] = cfg.training.fsdp_sharding
@@ -247,6 +247,7 @@ def _train(resolved, prepared: PreparedRun) -> int:
         # the next micro-step's first sample is built while this one's last runs (changes nothing if this
         # SpecForge keeps its data stream elsewhere: plugin/lookahead.py)
         lookahead.install(run)
+        reporting.install(run)  # progress bar, metrics.jsonl, eval/est_tau (plugin/reporting.py)
         step = run.run()
         if dist.get_rank() == 0:
             latest = os.path.join(cfg.output_dir, f"{cfg.run_id}-latest")

@@ -243,10 +243,9 @@ def prepare_run(
                 f"csbp.mode={options.mode}: training.strategy={strategy!r} is not a CSBP strategy; add --csbp"
             )
     if strategy in PLUGIN_STRATEGIES and cfg.data.eval_hidden_states_path:
-        raise ValueError(
-            f"data.eval_hidden_states_path: {strategy} does not evaluate during training yet; leave it empty "
-            "(and training.eval_interval 0)"
-        )
+        from .data import check_store_path  # eval during training reads a feature store too
+
+        check_store_path(cfg.data.eval_hidden_states_path, "data.eval_hidden_states_path")
     if strategy in PLUGIN_STRATEGIES and cfg.training.fsdp_sharding != "NO_SHARD":
         raise ValueError(
             f"training.fsdp_sharding={cfg.training.fsdp_sharding!r}: {strategy} replicates the drafter "

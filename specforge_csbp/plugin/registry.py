@@ -185,22 +185,30 @@ def build_training_model(
     from .data import check_store_path
     from .training_model import CSBPDrafterTrainingModel
 
-    path = cfg.data.hidden_states_path
-    check_store_path(path)
-    store = FeatureStore(path, verify="trust")
     ids, hidden = list(draft_model.target_layer_ids), int(draft_model.config.hidden_size)
-    if store.target_layer_ids != ids:
-        raise ValueError(
-            f"data.hidden_states_path: the feature store holds target layers {store.target_layer_ids} but "
-            f"model.draft_model_config needs dflash_config.target_layer_ids {ids}; capture the store with these layers"
-        )
-    store.check_compatible(ids, hidden)
-    captured = store.manifest.target.config_sha256
-    if captured is not None and captured != config_hash(target_config):
-        raise ValueError(
-            f"model.target_model_path={cfg.model.target_model_path}: its config is not the one the feature store "
-            f"(data.hidden_states_path) was captured from"
-        )
+
+    def open_checked(path: str, field: str):
+        check_store_path(path, field)
+        store = FeatureStore(path, verify="trust")
+        if store.target_layer_ids != ids:
+            raise ValueError(
+                f"{field}: the feature store holds target layers {store.target_layer_ids} but "
+                f"model.draft_model_config needs dflash_config.target_layer_ids {ids}; capture the store with these layers"
+            )
+        store.check_compatible(ids, hidden)
+        captured = store.manifest.target.config_sha256
+        if captured is not None and captured != config_hash(target_config):
+            raise ValueError(
+                f"model.target_model_path={cfg.model.target_model_path}: its config is not the one the feature store "
+                f"({field}) was captured from"
+            )
+        return store
+
+    path = cfg.data.hidden_states_path
+    store = open_checked(path, "data.hidden_states_path")
+    eval_path = cfg.data.eval_hidden_states_path or None
+    if eval_path is not None:  # SpecForge's eval loader reads it through the same reader (plugin/data.py)
+        open_checked(eval_path, "data.eval_hidden_states_path")
     embed, head = _frozen_target_parts(cfg, target_config, store.manifest)
     if embed.weight.shape[1] != hidden:
         raise ValueError(
@@ -214,7 +222,7 @@ def build_training_model(
         mode=mode, max_len=cfg.data.max_length, attention_backend=cfg.training.attention_backend,
         bucket=options.bucket, schedule=options.attention_schedule, regather=options.regather,
         gather_ahead=options.gather_ahead,
-        prefetch_features=options.prefetch_features,
+        prefetch_features=options.prefetch_features, eval_store_path=eval_path,
     ).to(device=_device())  # fmt: skip
     return AlgorithmModelParts(model=model, capture_layers=ids)
 

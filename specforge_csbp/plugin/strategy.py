@@ -3,8 +3,10 @@
 SpecForge builds it after wrapping `CSBPDrafterTrainingModel` (DDP), so the forward runs through the
 wrapper. It returns the step's loss as `loss_terms = (numerator, denominator)`; SpecForge's TrainerCore
 back-propagates the numerator, all-reduces the denominators over every rank and rescales the summed
-gradients - the global denominator, exactly. Accuracy goes out as a ratio metric (summed over ranks, then
-divided), so the logged numbers are global too.
+gradients - the global denominator, exactly. Accuracy, per-slot accuracy (`slot_acc_k`), the acceptance
+estimate `est_tau` and the tokens per micro-step go out as ratio metrics (summed over ranks, then divided), so
+the logged numbers are global too. In eval forwards (SpecForge's Evaluator) the loss and "acc" go through the
+evaluator; est_tau and the per-slot sums are kept here and finished by `eval_extras` (plugin/reporting.py).
 
 Non-finite guard (SpecForge's loop has none): each rank keeps its loss numerators (forward_loss) and, in a
 DDP communication hook, flags on the device which of its own gradients are non-finite before the all-reduce
@@ -32,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..training.step import NonFiniteError, first_offender
+from . import groups as csbp_groups
 from ..training.validate import first_nonfinite
 from .data import FEATURE
 
@@ -49,6 +52,8 @@ class CSBPDraftTrainStrategy(DraftTrainStrategy):
         inner = getattr(wrapped_model, "module", wrapped_model)  # DDP / FSDP keep the module here
         # the metric keys must be the same on every rank (SpecForge packs them into one all-reduce)
         self.has_selector = getattr(inner.draft_model, "candidate_selector", None) is not None
+        self.block_size = int(inner.draft_model.block_size)
+        self._eval_sums: torch.Tensor | None = None  # est_tau / per-slot sums of the running eval pass
         self._install_nonfinite_guard(inner)
 
     # -- non-finite guard -------------------------------------------------------------------------------
@@ -150,25 +155,77 @@ class CSBPDraftTrainStrategy(DraftTrainStrategy):
     def forward_loss(self, batch: TrainBatch, ctx: StepContext | None = None) -> StepOutput:
         self.validate_batch(batch)
         step = ctx.global_step if ctx is not None else 0
+        training = self.model.training
+        inner = getattr(self.model, "module", self.model)
+        tokens_before = inner.tokens_trained
         # the store indices as host ints: a tensor would be moved to the GPU by DDP and read back by the module,
         # two host syncs that drain the GPU's queue before every forward
         indices = batch.tensors[FEATURE].reshape(-1).tolist()
         numerator, denominator, stats = self.model(sample_index=indices, global_step=step)
-        self._step, self._armed = step, True
-        self._numerators.append(numerator.detach())  # checked before the optimizer step
+        if training:
+            self._step, self._armed = step, True
+            self._numerators.append(numerator.detach())  # checked before the optimizer step
+
+        # counts in at least float32 (a bf16 numerator would round a block count of 8K); float64 stays
+        dtype = torch.promote_types(numerator.dtype, torch.float32)
 
         def t(v):  # the module's sums stay on the device: no host sync between forward and backward
-            return v.detach().to(numerator.dtype) if torch.is_tensor(v) else numerator.new_full((), float(v))
+            return v.detach().to(dtype) if torch.is_tensor(v) else numerator.new_full((), float(v), dtype=dtype)
 
-        ratios: dict[str, Any] = {"acc": (t(stats["correct"]), t(stats["supervised"]))}
+        ratios: dict[str, Any] = {
+            "acc": (t(stats["correct"]), t(stats["supervised"])),
+            "est_tau": (t(stats["accepted"]), t(stats["blocks"])),  # objectives/dflash.acceptance_stats
+        }
+        slot_correct, slot_supervised = t(stats["slot_correct"]), t(stats["slot_supervised"])
+        for k in range(1, self.block_size):
+            ratios[f"slot_acc_{k}"] = (slot_correct[k], slot_supervised[k])
         if self.has_selector:
             ratios["selector_coverage"] = (t(stats["covered"]), t(stats["supervised"]))
+        if training:
+            # this rank's share of the group's tokens over 1 / world: SpecForge's sum over ranks and the
+            # window's micro-steps gives the global tokens per micro-step (plugin/reporting.py: tokens/s)
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            share = (inner.tokens_trained - tokens_before) / csbp_groups.current().cp_size
+            ratios["tokens_per_micro_step"] = (t(share), t(1.0 / world))
+        else:
+            self._add_eval_sums(stats, t)
         return StepOutput(
             loss=numerator,
             metrics={},
             ratio_metrics=ratios,
             loss_terms=(numerator, denominator),
         )
+
+    # -- eval extras -------------------------------------------------------------------------------------
+    def _add_eval_sums(self, stats, t) -> None:
+        """SpecForge's Evaluator aggregates loss and "acc" only; the acceptance estimate and per-slot
+        accuracy of an eval pass are summed here (device tensors) and finished by `eval_extras`."""
+        vec = torch.cat(
+            [torch.stack([t(stats["accepted"]), t(stats["blocks"])]), t(stats["slot_correct"]),
+             t(stats["slot_supervised"])]
+        ).to(torch.float64)  # fmt: skip
+        self._eval_sums = vec if self._eval_sums is None else self._eval_sums + vec
+
+    def reset_eval(self) -> None:
+        self._eval_sums = None
+
+    def eval_extras(self, device: torch.device) -> dict[str, float]:
+        """`eval/est_tau` and `eval/slot_acc_k` of the pass since `reset_eval`, summed over every rank
+        (one all-reduce on `device`, the evaluator's communication device; every rank must call it)."""
+        S = self.block_size
+        vec = torch.zeros(2 + 2 * S, dtype=torch.float64) if self._eval_sums is None else self._eval_sums
+        vec = vec.to(device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(vec)
+        values = vec.tolist()
+        self._eval_sums = None
+        if values[1] <= 0:
+            return {}
+        correct, supervised = values[2 : 2 + S], values[2 + S :]
+        return {
+            "eval/est_tau": values[0] / values[1],
+            **{f"eval/slot_acc_{k}": correct[k] / max(supervised[k], 1e-30) for k in range(1, S)},
+        }
 
     def checkpoint_state_filter(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Drafter weights only, under the drafter's own (= SGLang's) parameter names."""

@@ -27,7 +27,13 @@ this micro-step's last one runs, when plugin/lookahead.py announces the next bat
 
 What runs is never taken on trust: the first sample's (store index, global step) must equal what was built,
 else that build is waited for, dropped, and the sample is built on the forward's own thread (as is every
-first sample nobody announced: no wrapper installed, the first batch of an epoch, eval forwards).
+first sample nobody announced: no wrapper installed, the first batch of an epoch).
+
+Every sample runs the shared per-sample step (models/dflash/step.py: `plan_sample`, `sample_terms`), the
+one `drafter_step` and the benchmarks run. Eval forwards (SpecForge's Evaluator; `self.training` False)
+read the eval store (`eval_store_path`, data.eval_hidden_states_path), build each sample on their own thread
+and leave the worker, its jobs and the look-ahead's build untouched, so an eval pass between two micro-steps
+changes nothing the next micro-step uses.
 Lifetime (prefetch.py): a micro-step's prepared masks stay referenced until the next micro-step starts
 (its backward launched by then), and they are dropped only after the build that was submitted before that
 backward - the look-ahead - has finished (taken, or waited for and dropped); every other running build was
@@ -36,8 +42,6 @@ submitted after it, so the side stream already waits for the backward's kernels.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -45,18 +49,13 @@ from torch import nn
 from . import groups as csbp_groups
 from . import lookahead
 
-__all__ = ["BACKENDS", "CSBPDrafterTrainingModel", "SampleStats"]
+__all__ = ["BACKENDS", "EVAL_ANCHOR_STEP", "CSBPDrafterTrainingModel"]
 
 #: training.attention_backend -> the attention seam's backend
 BACKENDS = {"flex_attention": "flex", "sdpa": "auto", "eager": "dense"}
-_STAT_KEYS = ("nll", "weight", "correct", "supervised", "covered", "selector_ce", "selector_weight")
-
-
-@dataclass
-class SampleStats:
-    numerator: torch.Tensor
-    denominator: float
-    stats: dict[str, torch.Tensor]
+#: eval forwards draw their anchors as at this step, whatever the global step: every eval pass scores the
+#: same blocks, so successive evals compare (the loss weights still follow the global step)
+EVAL_ANCHOR_STEP = 0
 
 
 class CSBPDrafterTrainingModel(nn.Module):
@@ -76,6 +75,7 @@ class CSBPDrafterTrainingModel(nn.Module):
         regather: bool = False,
         gather_ahead: bool = True,
         prefetch_features: bool = True,
+        eval_store_path: str | None = None,
     ) -> None:
         super().__init__()
         self.draft_model = draft_model
@@ -90,6 +90,8 @@ class CSBPDrafterTrainingModel(nn.Module):
         # the prefetch worker also reads a sample's features from the store and copies them (side stream)
         self.prefetch_features = bool(prefetch_features)
         self._store = None
+        self.eval_store_path, self._eval_store = eval_store_path or None, None
+        self.tokens_trained = 0  # tokens of the samples this rank's CP group trained (host count)
         self._inflight: list = []  # this micro-step's prepared masks (kept until the next one starts)
         # one prefetch worker across micro-steps: job number -> (store index, global step, groups)
         self._prefetch = None
@@ -106,6 +108,17 @@ class CSBPDrafterTrainingModel(nn.Module):
 
             self._store = FeatureStore(self.store_path, verify="lazy")
         return self._store
+
+    @property
+    def eval_store(self):
+        """The store eval forwards read (data.eval_hidden_states_path; the training store when unset)."""
+        if self.eval_store_path is None:
+            return self.store
+        if self._eval_store is None:
+            from ..data.store import FeatureStore
+
+            self._eval_store = FeatureStore(self.eval_store_path, verify="trust")
+        return self._eval_store
 
     def _gather_indices(
         self,
@@ -135,61 +148,38 @@ class CSBPDrafterTrainingModel(nn.Module):
         return both[0].tolist(), None if min(following) < 0 else following
 
     # -- one sample -------------------------------------------------------------------------------------
-    def _prepare(self, index: int, step: int, groups: csbp_groups.CSBPGroups) -> list:
-        """Sample `index`'s device-free part (tokens, anchors, this rank's plan, block targets) as the
-        one-item work list StepPrefetcher builds attention for (in its worker thread, or `_build_here`)."""
-        from ..models.dflash.sharding import drafter_plans
-        from ..models.dflash.step import DrafterSample
-        from ..objectives.dflash import block_targets, sample_anchors
+    def _prepare(self, index: int, step: int, groups: csbp_groups.CSBPGroups, *, store=None) -> list:
+        """Sample `index`'s device-free part (tokens, anchors, this rank's plan, block targets: the shared
+        `plan_sample`) as the one-item work list StepPrefetcher builds attention for (in its worker thread,
+        or `_build_here`). `store`: the eval store for eval forwards (default: the training store)."""
+        from ..models.dflash.step import DrafterSample, plan_sample
 
-        draft, config = self.draft_model, self.draft_model.config
-        entry = self.store.manifest.samples[index]
-        input_ids, loss_mask = self.store.read_tokens(entry.id)
+        store = self.store if store is None else store
+        entry = store.manifest.samples[index]
+        input_ids, loss_mask = store.read_tokens(entry.id)
         length = min(entry.length, self.max_len)
-        input_ids, loss_mask = input_ids[:length], loss_mask[:length]
-        S = int(draft.block_size)
-        anchors = sample_anchors(loss_mask, self.objective, block_size=S, step=step, sample_index=index)
-        P = groups.cp_size
-        mode = "dp" if P == 1 else (self.mode if anchors.numel() >= P else "cp")
-        plan = drafter_plans(mode, length, anchors, config, P, bucket=self.bucket)[groups.cp_rank]
         # only this rank's rows, one piece per interval (never concatenated: the widest tensor of the step)
         sample = DrafterSample(
-            input_ids, loss_mask, lambda lo, hi: self.store.read_intervals(entry.id, [(lo, hi)])
+            input_ids[:length], loss_mask[:length], lambda lo, hi: store.read_intervals(entry.id, [(lo, hi)])
         )
-        blocks = block_targets(
-            input_ids, loss_mask, plan.owned_anchors, S, int(draft.mask_token_id),
+        plan, blocks = plan_sample(
+            self.draft_model.config, sample, objective=self.objective, mode=self.mode, world=groups.cp_size,
+            rank=groups.cp_rank, step=step, sample_index=index, bucket=self.bucket,
             vocab_size=int(self.lm_head.weight.shape[0]),
         )  # fmt: skip
         return [(sample, plan, blocks)]
 
-    def _sample(self, prepared, step: int) -> SampleStats:
-        from ..models.dflash.step import load_context
-        from ..objectives.dflash import loss_terms
+    def _sample(self, prepared, step: int):
+        """One prepared sample through the shared per-sample step (`models/dflash/step.sample_terms`)."""
+        from ..models.dflash import step as dflash_step
 
         prepared.wait()  # masks and staged indices (prefetch.py build_work): the step copies no index
-        (sample, plan, blocks), attention = prepared.work[0], prepared.attention[0]
-        staged = prepared.indices[0]
-        draft = self.draft_model
-        device, dtype = self.lm_head.weight.device, draft.fc.weight.dtype
-        features = (  # read from the store and copied by the prefetch worker, or here
-            prepared.features[0]
-            if prepared.features
-            else load_context(sample, plan.ctx_intervals, device, dtype, draft.fc.in_features)
-        )
-        noise = self.embed_tokens(staged.draft_ids).to(dtype)[None]
-        hidden = draft(noise, staged.position_ids, features, staged.context_position_ids, attention)
-        selector = getattr(draft, "candidate_selector", None)
-        terms = loss_terms(
-            hidden[0], self.lm_head.weight, blocks, self.objective, selector=selector, step=step,
-            index=staged.loss,
-        )
-        if self.objective.loss_type == "dflash":
-            denominator = terms.denominator_part * plan.loss_scale
-        else:  # D-PACE normalises per sequence; each rank holds its share of one sequence
-            denominator = plan.sequence_share
-        # device tensors: a float() here would make the host wait for the forward before backward is launched
-        stats = {k: v.detach() * plan.loss_scale for k, v in terms.stats.items()}
-        return SampleStats(terms.numerator * plan.loss_scale, denominator, stats)
+        (sample, plan, blocks) = prepared.work[0]
+        return dflash_step.sample_terms(
+            self.draft_model, sample, plan, blocks, objective=self.objective, head_weight=self.lm_head.weight,
+            embed_weight=self.embed_tokens.weight, step=step, attention=prepared.attention[0],
+            staged=prepared.indices[0], features=prepared.features[0] if prepared.features else None,
+        )  # fmt: skip
 
     # -- one micro-step ---------------------------------------------------------------------------------
     def _prefetcher_for(self, options, heads_per_kv: int):
@@ -235,22 +225,18 @@ class CSBPDrafterTrainingModel(nn.Module):
             micro-step i + 1 starts:       (sample, step) == the look-ahead's?  yes: take it (built)
                                                                                 no: discard it, build here
         """
-        from ..models.dflash.prefetch import AttentionOptions
-
+        if not self.training:
+            return self._eval_forward(sample_index, int(global_step))
         groups = csbp_groups.current()
         step = int(global_step)
-        source = lookahead.current() if self.training else None  # eval forwards announce nothing
+        source = lookahead.current()
         announced = source.next_batch(step) if source is not None else None
         indices, next_indices = self._gather_indices(
             sample_index, groups, None if announced is None else announced[0]
         )
         _ = self.store  # opened here, not first in the worker thread
-        config = self.draft_model.config
-        heads_per_kv = config.num_attention_heads // config.num_key_value_heads
-        options = AttentionOptions(
-            group=groups.cp_group, backend=self.backend, regather=self.regather, schedule=self.schedule,
-            gather_ahead=self.gather_ahead,
-        )
+        self.tokens_trained += self._tokens(self.store, indices)
+        options, heads_per_kv = self._options(groups)
         prefetcher = self._prefetcher_for(options, heads_per_kv)
         n, outstanding = len(indices), self._outstanding
         built = None if outstanding is None else self._jobs.get(outstanding)
@@ -282,13 +268,53 @@ class CSBPDrafterTrainingModel(nn.Module):
             prepared = self._build_here(indices[0], step, groups, options, heads_per_kv)
         for job in [k for k in self._jobs if k < first]:
             del self._jobs[job]
-        numerator, denominator = None, 0.0
-        totals = dict.fromkeys(_STAT_KEYS, 0.0)
+        outs = []
         for j in range(n):
             if j > 0:  # built in the worker while sample j - 1 ran; job first + j + 1 starts now
                 prepared = self._take(prefetcher, first + j)
             self._inflight.append(prepared)
-            out = self._sample(prepared, step)
+            outs.append(self._sample(prepared, step))
+        numerator, denominator, totals = self._sum(outs)
+        self.last_stats = totals
+        return numerator, denominator, totals
+
+    def _eval_forward(self, sample_index: torch.Tensor, step: int):
+        """One eval micro-step over the eval store: the same per-sample step, built on this thread; the
+        prefetch worker, its jobs and the look-ahead's build are left as they are (eval changes no training
+        state), and anchors are drawn as at `EVAL_ANCHOR_STEP` (every eval pass scores the same blocks)."""
+        from ..models.dflash.prefetch import PreparedStep, build_work
+
+        groups = csbp_groups.current()
+        indices, _ = self._gather_indices(sample_index, groups)
+        options, heads_per_kv = self._options(groups)
+        device, outs = self.lm_head.weight.device, []
+        for index in indices:
+            work = self._prepare(index, EVAL_ANCHOR_STEP, groups, store=self.eval_store)
+            attention, staged, _ = build_work(work, options, device, heads_per_kv)
+            outs.append(self._sample(PreparedStep(work, options, attention, indices=staged), step))
+        return self._sum(outs)
+
+    def _options(self, groups):
+        from ..models.dflash.prefetch import AttentionOptions
+
+        config = self.draft_model.config
+        options = AttentionOptions(
+            group=groups.cp_group, backend=self.backend, regather=self.regather, schedule=self.schedule,
+            gather_ahead=self.gather_ahead,
+        )
+        return options, config.num_attention_heads // config.num_key_value_heads
+
+    def _tokens(self, store, indices: list[int]) -> int:
+        """Tokens of the group's samples (host manifest lengths, capped at max_len: no device sync)."""
+        return sum(min(store.manifest.samples[i].length, self.max_len) for i in indices)
+
+    def _sum(self, outs: list) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(sum of numerators, sum of denominator shares, summed stats) of a micro-step's samples."""
+        from ..models.dflash.step import STAT_KEYS
+
+        numerator, denominator = None, 0.0
+        totals: dict = dict.fromkeys(STAT_KEYS, 0.0)
+        for out in outs:
             numerator = out.numerator if numerator is None else numerator + out.numerator
             denominator += out.denominator
             for k, v in out.stats.items():
@@ -297,7 +323,6 @@ class CSBPDrafterTrainingModel(nn.Module):
         params = [p for p in self.draft_model.parameters() if p.requires_grad]
         tie = torch.stack([p.reshape(-1)[0].to(numerator.dtype) for p in params]).sum() * 0.0
         numerator = numerator + tie
-        self.last_stats = totals
         # a fill kernel: a host-to-device copy of the scalar would wait for the stream (pageable memory)
         return numerator, numerator.new_full((), float(denominator)).detach(), totals
 
