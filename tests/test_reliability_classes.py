@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from specforge_csbp.assets import TINY_DATASET, TINY_TARGET_DIR
+from specforge_csbp.assets import TINY_TARGET_DIR
 from specforge_csbp.cli.main import main
 from specforge_csbp.data import store as store_mod
 from specforge_csbp.data.manifest import TargetInfo

@@ -19,7 +19,6 @@ nproc_per_node = cp_size x dp_replicas. Errors are one line and name the flag or
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal

@@ -110,10 +110,10 @@ def routed_attention(
             f"specforge_csbp.models.bdlm.BDLMModel (or set config._attn_implementation back to 'sdpa')"
         )
     executor = route.executor(kwargs.get("sliding_window"), name)
-    for field in ("softcap", "s_aux", "position_bias"):
-        if kwargs.get(field) is not None:
+    for option in ("softcap", "s_aux", "position_bias"):
+        if kwargs.get(option) is not None:
             raise ValueError(
-                f"model: {name} passes {field} to its attention; cannot be routed (full softmax only)"
+                f"model: {name} passes {option} to its attention; cannot be routed (full softmax only)"
             )
     if dropout:
         raise ValueError(f"model: {name} has attention dropout {dropout}; set config.attention_dropout=0")
@@ -149,10 +149,10 @@ def check_routable(lm: nn.Module) -> None:
         )
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"model: {name} is an encoder-decoder; only decoder-only causal LMs can be routed")
-    for field, what in _UNSUPPORTED_CONFIG.items():
-        value = getattr(config, field, None)
+    for key, what in _UNSUPPORTED_CONFIG.items():
+        value = getattr(config, key, None)
         if value not in (None, 1, 1.0):
-            raise ValueError(f"model: {name} config.{field}={value} applies {what}; cannot be routed")
+            raise ValueError(f"model: {name} config.{key}={value} applies {what}; cannot be routed")
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError(
             f"model: {name} config.use_bidirectional_attention=True (an encoder); "
