@@ -131,7 +131,7 @@ def parse_args(argv=None):
                    help="GQA head packing in the attention seam (auto: decided from the block masks)")
     p.add_argument("--gather-ahead", action=argparse.BooleanOptionalAction, default=True,
                    help="CSBP: start each layer's context K/V gather one layer early (LayerAttention.gather_ahead; "
-                   "default since session 8, docs/performance.md); --no-gather-ahead: gather in front of each layer")
+                   "the default, docs/performance.md); --no-gather-ahead: gather in front of each layer")
     p.add_argument("--reverse-queries", action="store_true",
                    help="run every attention kernel over its query rows last first (attention/order.py; every mode)")
     p.add_argument("--check-context", type=int, default=0,

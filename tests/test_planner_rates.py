@@ -22,7 +22,7 @@ from specforge_csbp.planner.validate import record_options
 
 BASE = PROFILE
 NEW_FIELDS = ("layer_tflops", "loss_tflops", "loss_topk_tflops", "adamw_gbps")
-MEASURED = NEW_FIELDS + ("loss_top1_tflops",)  # what calibration measures now (top-1 since session 6)
+MEASURED = NEW_FIELDS + ("loss_top1_tflops",)  # what calibration measures now (top-1 since h200x2-2026-11-30-c)
 
 
 def _cases():
@@ -97,7 +97,7 @@ def test_rates_are_used_when_present():
     assert only.loss_rate_tflops(True) == 0.125 == only.loss_rate_tflops(False)
     topk = BASE.model_copy(update={"loss_topk_tflops": 0.1})
     assert topk.loss_rate_tflops(False) == 0.1 == topk.loss_rate_tflops(True)
-    assert topk.loss_rate_tflops(True, top1=True) == 0.1  # no top-1 rate (profiles before session 6): top-k's
+    assert topk.loss_rate_tflops(True, top1=True) == 0.1  # no top-1 rate (profiles before h200x2-2026-11-30-c): top-k's
     assert BASE.loss_rate_tflops(frozen_head_topk=True) == BASE.token_tflops == BASE.gemm_tflops
 
 

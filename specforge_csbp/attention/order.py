@@ -10,7 +10,7 @@ a few long tiles. Reversed, the heaviest start first (longest-job-first):
 Measured on one H200 (benchmarks/flex_layer_bench.py, shape a, full-attention layer, fwd + bwd): at 1M,
 CP 327.4 -> 312.2 ms and CSBP 338.0 -> 329.2 ms; at 512K, CSBP 170.5 -> 164.7 ms. In a whole step it
 gained nothing measurable (2 H200, side by side with CP, `--reverse-queries`: 1M / 512 anchors CP 1,451.4
-vs 1,449.7 ms in row order, CSBP 1,356.9 vs 1,351.3; docs/performance.md, session 8), so it stays off; where
+vs 1,449.7 ms in row order, CSBP 1,356.9 vs 1,351.3; docs/performance.md), so it stays off; where
 it is turned on it applies to every mode alike (the baselines get the same kernels).
 
 Exact by construction: the reversed visibility is `vis` with `q` reversed (same keys, same rule), q rows

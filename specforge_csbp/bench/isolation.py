@@ -11,7 +11,7 @@ compile history and pays for it - an order effect, not a property of the mode.
 
 Warm-up to a steady compile state (`warm_up`): automatic dynamic shapes recompile a call site each time one
 of its lengths changes for the first time, and a drafter step's lengths change every step (anchors are drawn
-per step). Two fixed warm-up steps were not always enough: on 2 H200 (session 7) CSBP's overlap schedule,
+per step). Two fixed warm-up steps were not always enough: on 2 H200 CSBP's overlap schedule,
 which has P seam calls per layer where fused has one, compiled 2 graphs during its 3 timed steps at 64K and
 256K, and the median step then was a compiling one (1535 ms against 813 ms fused). So the warm-up runs on
 until a step compiles nothing new; the timed steps still report what they compiled. A shape that changes

@@ -20,7 +20,7 @@ schedule "overlap":
     for. (The 243-247 above were measured when the remote call ran over the whole buffer, own segment
     included as PAD, in a strided layout. The per-segment form, drafter shape a on 2 H200 side by side with
     CP: 1M / 512 anchors 1.068x against fused's 1.064-1.073x, 64K / 2048 1.747x against 1.792x;
-    docs/performance.md, session 8.)
+    docs/performance.md.)
 
 Gather ahead (`begin`): a caller that has the leading K/V rows early (a drafter's context K/V depend on the
 target features only, not on the layer below) starts the gather before it has the queries and hands the

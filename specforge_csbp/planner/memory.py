@@ -188,8 +188,8 @@ def drafter_step_memory(
     the chunk's logits in the GEMM dtype and their gradient - in the GEMM dtype too, unless the selector's
     top-k (k > 1) needs an fp32 copy of the logits in forward and an fp32 gradient (the top-k scatter at
     full precision) cast back for the GEMM in backward: [chunk, V] x (2 e) or (e + 4 + e) bytes; plus
-    `kept_logits` bytes when the logits are kept for backward. (Before session 6 the chunk took three fp32
-    buffers, 12 bytes per element; profile-era predictions used that.)
+    `kept_logits` bytes when the logits are kept for backward. (Before the per-chunk arithmetic was compiled the chunk
+    took three fp32 buffers, 12 bytes per element; older predictions used that.)
 
     The gather one layer ahead (the default, `LayerAttention.gather_ahead`) adds no term: layer i + 1's
     gathered rows are in flight while layer i runs, before layer i + 1's saved concatenation (counted in

@@ -8,8 +8,8 @@
     layer_tflops         GEMM FLOPs / time of a whole eager decoder layer, forward + backward (rates.py)
     loss_tflops          FLOPs / time of the chunked linear CE with a trainable LM head (BDLM loss)
     loss_topk_tflops     the same for linear_ce_topk with a frozen head and top-k logits (drafter loss)
-    loss_top1_tflops     the same with top-1 and no selector (DFlash drafter loss; profiles before session 6
-                         lack it and use loss_topk_tflops)
+    loss_top1_tflops     the same with top-1 and no selector (DFlash drafter loss; profiles before
+                         h200x2-2026-11-30-c lack it and use loss_topk_tflops)
     adamw_gbps           bytes / time of one fused AdamW step (28 bytes per fp32 parameter)
     attn_window_tflops   useful attention FLOP/s of DFlash draft blocks over a sliding window (rates.py)
     attn_draft_tflops    the same for draft blocks over the whole context (full-attention drafter layers)

@@ -15,7 +15,7 @@ and divide the FLOPs the cost model charges for it (cost.py), so a rate is "usef
     loss_topk_tflops  objectives/linear_ce_topk.py `linear_ce_topk` with a frozen LM head and the top-k
                       logits carrying gradient (the DFlash2 drafter's loss): rows x 2 h V x 3
     loss_top1_tflops  the same with top-1 and no selector gradient (the DFlash drafter's loss, a cheaper
-                      per-chunk path since session 6: objectives/ce_chunk.py): rows x 2 h V x 3
+                      compiled per-chunk path: objectives/ce_chunk.py): rows x 2 h V x 3
     adamw_gbps        one fused AdamW step over fp32 parameters (GPU; foreach on CPU):
                       ADAMW_BYTES_PER_PARAM = 28 bytes per parameter (read weight, grad, two moments;
                       write weight, two moments) / time
