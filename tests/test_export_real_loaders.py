@@ -270,22 +270,24 @@ def _run(*cmd: str, timeout: int = 900) -> str:
 
 
 def _quickstart_steps() -> list[str]:
-    """The capture / train / export command lines of scripts/quickstart.sh, as it runs them."""
+    """The target / capture / train / export command lines of scripts/quickstart.sh, as it runs them (its eval
+    steps after the export are left out)."""
     with open(os.path.join(ROOT, "scripts", "quickstart.sh")) as f:
         lines = [line.strip() for line in f.read().replace("\\\n", " ").splitlines()]
-    steps = [
-        line for line in lines if line.startswith(("$PY -m specforge_csbp", ".venv/bin/specforge train"))
-    ]
-    assert [s.split()[2 if s.startswith("$PY") else 1] for s in steps] == [
-        "specforge_csbp",
+    steps = [line for line in lines if line.startswith(("$PY -m specforge_csbp", ".venv/bin/specforge train"))]
+    names = [" ".join(s.split()[2:4] if s.startswith("$PY") else s.split()[1:2]) for s in steps]
+    assert names[:4] == [
+        "specforge_csbp.assets.quickstart --out",
+        "specforge_csbp capture",
         "train",
-        "specforge_csbp",
-    ]
-    return steps
+        "specforge_csbp export",
+    ], names
+    assert all(n == "specforge_csbp eval" for n in names[4:]), names
+    return steps[:4]
 
 
 def test_quickstart_export_loads_exactly_in_sglang(tmp_path):
-    """scripts/quickstart.sh's own three commands (capture, `specforge train --csbp`, export), run into
+    """scripts/quickstart.sh's own commands (target, capture, `specforge train --csbp`, export), run into
     tmp_path with one epoch instead of four; its export then goes through SGLang's real loaders."""
     run = str(tmp_path / "quickstart")
     bindir = os.path.dirname(sys.executable)

@@ -475,8 +475,8 @@ def write_report(
                                same_code=same_code, plots=False, headline_doc=doc_path)  # fmt: skip
     summary = render_summary(records, doc_path=doc_path, records_doc=records_path, img_dir=img_dir, title=title,
                              source=source, generator=generator, rerun=rerun)  # fmt: skip
-    for path, text in ((records_path, appendix), (doc_path, summary)):
-        _write_atomic(path, text)
+    for path, text in ((doc_path, summary), (records_path, appendix)):  # the page asked for first: a failed
+        _write_atomic(path, text)  # write (disk full) leaves both pages as they were
     if csv_path is not None:
         write_csv(records, csv_path)
     return records

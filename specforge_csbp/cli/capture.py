@@ -113,10 +113,10 @@ def _scan(path: str) -> int:
     returns the number of records."""
     seen: dict[str, int] = {}
     for line, record, sid in _records(path):
-        if ("messages" in record) == ("text" in record):
+        if sum(k in record for k in ("messages", "text", "input_ids")) != 1:
             raise ValueError(
-                f"--data: line {line + 1} of {path} needs exactly one of 'messages' (chat) or 'text', got keys "
-                f"{sorted(record)}"
+                f"--data: line {line + 1} of {path} needs exactly one of 'messages' (chat), 'text' or 'input_ids', "
+                f"got keys {sorted(record)}"
             )
         if sid in seen:
             raise ValueError(
