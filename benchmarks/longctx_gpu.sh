@@ -4,6 +4,10 @@
 #   bash benchmarks/longctx_gpu.sh 1     # target: trains up to --target-minutes (9), resumable; repeat until done
 #   bash benchmarks/longctx_gpu.sh 2     # capture both stores (~7 GiB each, under RUN) + train both drafters
 #   bash benchmarks/longctx_gpu.sh 3     # eval both drafters on held-out 64K prompts + records + plot
+#   bash benchmarks/longctx_gpu.sh all   # 1, 2, 3 in order (each skips what is done: rerun it after a time limit)
+#   bash benchmarks/longctx_gpu.sh collect  # only copy the small outputs to $OUT/longctx/ (after a cut call)
+# A finished target also comes back as $OUT/longctx/target.tar.part-* (15 MiB pieces): to continue on a fresh
+# machine, put them in a carried folder and `cat target.tar.part-* | tar x -C $RUN`.
 # Parts 2 and 3 need the run directory of the part before (the same warm machine, or RUN carried back).
 # Each part copies what it made that is small (target checkpoint, accuracy, eval JSON, records, plot, log) to
 # $OUT/longctx/.
@@ -17,9 +21,14 @@ mkdir -p "$RUN" "$OUT/longctx"
 S="python3 scripts/long_context_study.py --scale gpu --run $RUN"
 case "$PART" in
   1) $S --stage target --target-minutes "${TARGET_MINUTES:-9}" || { rc=$?; [ "$rc" = 3 ] && echo "target: not done; run part 1 again"; }
-     cp -r "$RUN/target" "$OUT/longctx/" 2>/dev/null || true ;;
+     ;;
   2) $S --stage capture && $S --stage train --gpus "$GPUS" ;;
   3) $S --stage eval && $S --stage report --records "$OUT/longctx_h200_$DATE.jsonl" ;;
-  *) echo "part must be 1, 2 or 3" >&2; exit 2 ;;
+  all) bash "$0" 1 && [ -f "$RUN/target/DONE" ] && bash "$0" 2 && bash "$0" 3 ;;
+  collect) ;;
+  *) echo "part must be 1, 2, 3, all or collect" >&2; exit 2 ;;
 esac
+if [ -f "$RUN/target/DONE" ] && ! ls "$OUT"/longctx/target.tar.part-* >/dev/null 2>&1; then
+  tar cf - -C "$RUN" target | split -b 15M - "$OUT/longctx/target.tar.part-"
+fi
 cp "$RUN"/{accuracy.json,eval-short.json,eval-long.json,long_context.png,long_context_tables.md,study.log,commands.json} "$OUT/longctx/" 2>/dev/null || true
