@@ -8,6 +8,13 @@ source benchmarks/gpu_env.sh; set +e  # gpu_env sets -e: a cut study must still 
 FINAL=$OUT
 export OUT=$FINAL/p
 mkdir -p "$OUT/longctx"
+# a fresh machine continues from what an earlier call brought back, carried in runs/carry/ (target pieces,
+# accuracy.json, commands.json, study.log)
+RUN=${RUN:-runs/long_context/gpu}
+if ls runs/carry/target.tar.part-* >/dev/null 2>&1 && [ ! -f "$RUN/target/DONE" ]; then
+  mkdir -p "$RUN" && cat runs/carry/target.tar.part-* | tar xf - -C "$RUN" && echo "target: from runs/carry"
+  for f in accuracy.json commands.json study.log; do [ -f "runs/carry/$f" ] && cp -n "runs/carry/$f" "$RUN/"; done
+fi
 timeout -k 10 "$LIMIT" bash benchmarks/longctx_gpu.sh all > "$OUT/longctx.log" 2>&1
 echo "longctx rc=$?"
 bash benchmarks/longctx_gpu.sh collect >> "$OUT/longctx.log" 2>&1

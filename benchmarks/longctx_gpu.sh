@@ -19,12 +19,12 @@ DATE=$(date -u +%F)
 GPUS=${GPUS:-1}
 mkdir -p "$RUN" "$OUT/longctx"
 S="python3 scripts/long_context_study.py --scale gpu --run $RUN"
+rc=0  # a failed stage fails the part (after the outputs below are copied), so `all` stops there
 case "$PART" in
-  1) $S --stage target --target-minutes "${TARGET_MINUTES:-9}" || { rc=$?; [ "$rc" = 3 ] && echo "target: not done; run part 1 again"; }
-     ;;
-  2) $S --stage capture && $S --stage train --gpus "$GPUS" ;;
-  3) $S --stage eval && $S --stage report --records "$OUT/longctx_h200_$DATE.jsonl" ;;
-  all) bash "$0" 1 && [ -f "$RUN/target/DONE" ] && bash "$0" 2 && bash "$0" 3 ;;
+  1) $S --stage target --target-minutes "${TARGET_MINUTES:-9}" || { rc=$?; [ "$rc" = 3 ] && echo "target: not done; run part 1 again"; } ;;
+  2) { $S --stage capture && $S --stage train --gpus "$GPUS"; } || rc=$? ;;
+  3) { $S --stage eval && $S --stage report --records "$OUT/longctx_h200_$DATE.jsonl"; } || rc=$? ;;
+  all) { bash "$0" 1 && bash "$0" 2 && bash "$0" 3; } || rc=$? ;;
   collect) ;;
   *) echo "part must be 1, 2, 3, all or collect" >&2; exit 2 ;;
 esac
@@ -32,3 +32,4 @@ if [ -f "$RUN/target/DONE" ] && ! ls "$OUT"/longctx/target.tar.part-* >/dev/null
   tar cf - -C "$RUN" target | split -b 15M - "$OUT/longctx/target.tar.part-"
 fi
 cp "$RUN"/{accuracy.json,eval-short.json,eval-long.json,long_context.png,long_context_tables.md,study.log,commands.json} "$OUT/longctx/" 2>/dev/null || true
+exit $rc

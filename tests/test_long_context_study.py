@@ -113,3 +113,15 @@ def test_target_training_resumes_and_is_idempotent(tmp_path):
     assert train_target(str(tmp_path), small, spec, workers=2, log=logs.append)
     assert any("resumed at step 0/5" in s for s in logs) and (tmp_path / "target" / "config.json").is_file()
     assert train_target(str(tmp_path), small, spec, log=logs.append) and "skipped" in logs[-1]
+
+
+@pytest.mark.parametrize("name", sorted(SCALES))
+def test_every_scale_is_a_valid_capture_and_training_config(name):
+    """Each scale's drafter reads layers its target has, and its stores fit the batch and anchor split: the
+    checks capture and training would make, before any device time is spent on the scale."""
+    from specforge_csbp.data.capture import check_target_layer_ids
+
+    scale = SCALES[name]
+    check_target_layer_ids(scale.target_layer_ids, scale.target.layers)
+    assert scale.long_len % scale.short_len == 0 and scale.anchors_long % scale.ratio == 0
+    assert scale.long_len <= scale.target.max_position and max(scale.bucket_edges) < scale.long_len

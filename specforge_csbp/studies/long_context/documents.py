@@ -48,6 +48,7 @@ class DocSpec:
     min_distance: int = 64
     repeat_len: tuple[int, int] = (32, 128)
     filler_len: tuple[int, int] = (8, 48)
+    random_filler: float = 0.0  # share of filler segments of uniform words (the target's dense warm-up only)
 
     def __post_init__(self) -> None:
         if self.length < 16:
@@ -99,11 +100,15 @@ def make_document(spec: DocSpec, index: int) -> Document:
             deps.extend((n + j, src + j, "repeat") for j in range(REPEAT_HEAD, span))
             n += span
         else:
-            picks = rng.choice(SUCCESSORS, p=SUCCESSOR_P, size=int(rng.integers(*spec.filler_len))).tolist()
-            words = []
-            for c in picks:
-                word = table[word][c]
-                words.append(word)
+            size = int(rng.integers(*spec.filler_len))
+            if spec.random_filler and rng.random() < spec.random_filler:
+                words = rng.integers(FIRST_WORD, spec.vocab_size, size=size).tolist()  # only a copy predicts these
+                word = words[-1]
+            else:
+                words = []
+                for c in rng.choice(SUCCESSORS, p=SUCCESSOR_P, size=size).tolist():
+                    word = table[word][c]
+                    words.append(word)
             out[n : n + len(words)] = words
             n += len(words)
     deps = [d for d in deps if d[0] < spec.length]
