@@ -85,11 +85,11 @@ def _scales() -> dict[str, Scale]:
                            max_position=131072,
                            phases=((2048, 3000, 16), (8192, 800, 4), (32768, 250, 1), (65536, 200, 1)),
                            lr=1.5e-3, warmup=100, dense_steps=2000),
-        long_len=65536, short_len=4096, train_docs=48, anchors_long=2048, epochs=8, block_size=8,
+        long_len=65536, short_len=4096, train_docs=32, anchors_long=2048, epochs=3, block_size=8,
         target_layer_ids=(1, 3, 4), drafter_layers=2, nproc=1, cp_size=1, device="cuda", dtype="bfloat16",
-        attention_backend="flex_attention", eval_docs=8, cuts_per_doc=12, max_new_tokens=64,
+        attention_backend="flex_attention", eval_docs=8, cuts_per_doc=8, max_new_tokens=48,
         bucket_edges=(0, 4 * K, 8 * K, 16 * K, 32 * K), distance_edges=(0, 256, 1 * K, 4 * K, 16 * K),
-        accuracy_docs=8, lr=1e-3, min_distance=256, target_minutes=9.0,
+        accuracy_docs=8, lr=3e-3, min_distance=256, target_minutes=9.0,
     )  # fmt: skip
     return {"cpu": cpu, "gpu": gpu}
 
