@@ -9,9 +9,8 @@ planner's memory model of the run's drafter step.
     the allocator's fragmentation on top)
   = budget  -> keep_logits_gib = budget when this rank's [rows, vocab] logits fit in it, else 0 (recompute)
 
-Kept logits save one [rows, vocab] GEMM per loss chunk (objectives/linear_ce_topk.py; 1 H200, 64K / 512
-anchors, DFlash v1 27B shape: 365.9 ms / 28.9 GiB kept vs 392.7 ms / 40.6 GiB recomputed, separate
-launches). Without a GPU (CPU runs, tests) the choice is 0. An explicit `csbp.keep_logits_gib` (0 turns it
+Kept logits save one [rows, vocab] GEMM per loss chunk (objectives/linear_ce_topk.py) for the memory they
+hold (the measured trade: docs/performance.md, "`csbp.keep_logits_gib` by default"). Without a GPU (CPU runs, tests) the choice is 0. An explicit `csbp.keep_logits_gib` (0 turns it
 off) is never changed.
 """
 
