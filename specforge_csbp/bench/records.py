@@ -5,12 +5,13 @@ Every benchmark, sweep, table and plot reads and writes this one schema; extra f
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
+
+from ..outputs import write_text_atomic
 
 __all__ = ["BenchRecord", "load_records", "write_records"]
 
@@ -52,17 +53,11 @@ def load_records(
     records = []
     from pydantic import ValidationError
 
-    from ..errors import load_json, one_line, read_lines
+    from ..errors import load_json, one_line, read_jsonl
 
     for f in files:
         if f.suffix == ".jsonl":
-            items = []
-            for n, line in read_lines(f, "--results"):
-                if line.strip():
-                    try:
-                        items.append((n, json.loads(line)))
-                    except json.JSONDecodeError as err:
-                        raise ValueError(f"--results: {f}:{n} is not valid JSON ({err.msg})") from None
+            items = list(read_jsonl(f, "--results"))
         else:
             data = load_json(f, "--results")
             items = list(enumerate(data if isinstance(data, list) else [data], 1))
@@ -84,6 +79,4 @@ def write_records(path: str | os.PathLike, records: list[BenchRecord], *, append
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     old = path.read_text() if append and path.exists() else ""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(old + "".join(r.model_dump_json(exclude_none=True) + "\n" for r in records))
-    os.replace(tmp, path)
+    write_text_atomic(path, old + "".join(r.model_dump_json(exclude_none=True) + "\n" for r in records))

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..outputs import write_text_atomic
 from .compare import CONFIG_EXTRAS, extra_fields, group_side_by_side, mode_rank, speedups
 from .latest import HeadlineRow, headline_rows, latest_records, problem_fields
 from .plots import context_label, plot_workload
@@ -416,14 +417,9 @@ def _headline_table(rows: list[HeadlineRow], rerun: Callable[[BenchRecord], str 
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    """Write through a temporary file and rename: a reader never sees half a page."""
+    """A reader never sees half a page; a failed write (disk full) leaves the old page."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:  # a failed write (disk full) leaves the old page
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_text_atomic(path, text)
 
 
 def write_csv(records: list[BenchRecord], path: str | Path) -> None:

@@ -14,7 +14,6 @@ target model - is refused in one line that says what it is.
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DrafterCheckpoint", "load_checkpoint", "load_drafter_state", "resolve_source", "sha256_file"]
+__all__ = ["DrafterCheckpoint", "load_checkpoint", "load_drafter_state", "resolve_source"]
 
 STATE_FILE = "training_state.pt"
 _PLUGIN_STRATEGIES = ("dflash-csbp", "dflash2-csbp", "dflash2")
@@ -43,14 +42,6 @@ class DrafterCheckpoint:
     @property
     def architecture(self) -> str:
         return self.config.architecture
-
-
-def sha256_file(path: str, chunk: int = 1 << 24) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _latest_specforge_state(root: str) -> str | None:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from ..distributed.launch import free_port, heartbeat, init_from_env, spawn
+from ..outputs import write_text_atomic
 from .checkpoint import load_trainer_state, save_checkpoint
 from .checkpointing import keep_activations, resolve_checkpointing
 from .context import TrainContext, build_context
@@ -164,9 +165,7 @@ def _truncate_log(path: Path, step: int) -> None:
     lines = text.splitlines()
     keep = [line for line in lines if (s := _logged_step(line)) is not None and s <= step]
     if len(keep) != len(lines) or (text and not text.endswith("\n")):
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(f"{line}\n" for line in keep))
-        os.replace(tmp, path)
+        write_text_atomic(path, "".join(f"{line}\n" for line in keep))
 
 
 def train(
