@@ -100,6 +100,88 @@ def _pct(pred: float | None, meas: float | None) -> str:
     return f"{100 * (pred / meas - 1):+.1f}%"
 
 
+def _records_table(
+    recs: list[BenchRecord], runs: dict[tuple[str, str, str], int], predictor: Predictor | None,
+    same_code: Callable[[BenchRecord], bool] | None,
+) -> list[str]:
+    """The "All records" table: one row per record (+ the planner's prediction and its error, if predicted)."""
+    lines: list[str] = []
+    optional = [(f, h) for f, h in OPTIONAL_COLUMNS if any(getattr(r, f) is not None for r in recs)]
+    extras = [name for name in extra_fields(recs) if name not in HIDDEN_EXTRAS]
+    preds = [predictor(r) if predictor else None for r in recs]
+    with_pred = any(p is not None for p in preds)
+    header = [h for _, h in CORE_COLUMNS] + [h for _, h in optional] + extras
+    if with_pred:
+        header += ["planned tokens/s", "error", "planned GiB", "error"]
+    header.append("run")
+    rows = []
+    for r, p in zip(recs, preds):
+        extra = r.model_extra or {}
+        row = [format_value(getattr(r, f)) for f, _ in CORE_COLUMNS + tuple(optional)]
+        row += [format_value(extra.get(name)) for name in extras]
+        if with_pred:
+            row += ["—", "—", "—", "—"] if p is None else [
+                format_value(p.tokens_per_s), _pct(p.tokens_per_s, r.tokens_per_s),
+                format_value(p.peak_gib), _pct(p.peak_gib, r.peak_mem_gib),
+            ]  # fmt: skip
+        row.append(f"[{runs[(r.device, r.date, r.command)]}]")
+        rows.append(row)
+    lines += ["### All records", ""] + _table(header, rows) + [""]
+    if with_pred:
+        lines += _prediction_summary(recs, preds, same_code) + [""]
+    return lines
+
+
+def _speedup_table(recs: list[BenchRecord], runs: dict[tuple[str, str, str], int]) -> list[str]:
+    """The side-by-side speedup table: one row per group of records measured together (compare.py)."""
+    spd = speedups(recs)
+    if not spd:
+        return []
+    lines: list[str] = []
+    others = sorted({s.other_mode for s in spd}, key=mode_rank)
+    by_key: dict[tuple, dict[str, str]] = {}
+    base: dict[tuple, BenchRecord] = {}
+    for s in spd:
+        by_key.setdefault(s.key, {})[s.other_mode] = s.text
+        base[s.key] = s.csbp
+    # the configuration fields that tell this workload's groups apart (e.g. anchors, gather_ahead), and
+    # the run (numbered below) each group's CSBP record came from
+    varying = [name for name in CONFIG_EXTRAS
+               if len({format_value((c.model_extra or {}).get(name)) for c in base.values()}) > 1]  # fmt: skip
+    header = ["context_len", "world_size", "block_size", "device", "date", *varying, "CSBP tokens/s"]
+    header += [f"CSBP / {m}" for m in others] + ["run", "fresh compile"]
+    rows = []
+    for key, by_mode in group_side_by_side(recs).items():
+        if key not in by_key:
+            continue
+        c = base[key]
+        row = [str(c.context_len), str(c.world_size), str(c.block_size), format_value(c.device),
+               format_value(c.date)]  # fmt: skip
+        row += [format_value((c.model_extra or {}).get(name)) for name in varying]
+        row.append(format_value(c.tokens_per_s))
+        row += [by_key[key].get(m, "—") for m in others]
+        row.append(f"[{runs[(c.device, c.date, c.command)]}]")
+        row.append("yes" if all(fresh_compile(r) for rs in by_mode.values() for r in rs) else "no")
+        rows.append(row)
+    rows.sort(key=lambda row: (row[3], row[4], int(row[1]), int(row[2]), int(row[0])))
+    lines += [
+        "### CSBP speedup, measured side by side",
+        "",
+        "Computed from the records above: same workload, context, world size, block size, date, device and launch "
+        "(tokens/s of CSBP over tokens/s of the other mode; the fastest ok record when a mode was repeated; "
+        "`<mode> oom` where the other mode did not fit). `fresh compile`: every mode started from a fresh "
+        "compile state (its own process, or `bench/isolation.py`'s reset). Where it says no, a mode that ran "
+        "after another in the same process inherited that mode's compiled FlexAttention kernels and may have "
+        "run slower for it (measured up to 13% per step, docs/performance.md): treat that ratio as an upper "
+        "bound on CSBP's lead. Configuration columns (anchors, schedule, gather_ahead, ...) appear where the groups "
+        "differ in them; `—`: the records do not say (a switch added later: off in them). `run`: the command, "
+        "numbered under Runs.",
+        "",
+    ]
+    lines += _table(header, rows) + [""]
+    return lines
+
+
 def _workload_section(
     recs: list[BenchRecord],
     plots: dict[str, Path],
@@ -127,73 +209,8 @@ def _workload_section(
     for r in recs:
         runs.setdefault((r.device, r.date, r.command), len(runs) + 1)
 
-    optional = [(f, h) for f, h in OPTIONAL_COLUMNS if any(getattr(r, f) is not None for r in recs)]
-    extras = [name for name in extra_fields(recs) if name not in HIDDEN_EXTRAS]
-    preds = [predictor(r) if predictor else None for r in recs]
-    with_pred = any(p is not None for p in preds)
-    header = [h for _, h in CORE_COLUMNS] + [h for _, h in optional] + extras
-    if with_pred:
-        header += ["planned tokens/s", "error", "planned GiB", "error"]
-    header.append("run")
-    rows = []
-    for r, p in zip(recs, preds):
-        extra = r.model_extra or {}
-        row = [format_value(getattr(r, f)) for f, _ in CORE_COLUMNS + tuple(optional)]
-        row += [format_value(extra.get(name)) for name in extras]
-        if with_pred:
-            row += ["—", "—", "—", "—"] if p is None else [
-                format_value(p.tokens_per_s), _pct(p.tokens_per_s, r.tokens_per_s),
-                format_value(p.peak_gib), _pct(p.peak_gib, r.peak_mem_gib),
-            ]  # fmt: skip
-        row.append(f"[{runs[(r.device, r.date, r.command)]}]")
-        rows.append(row)
-    lines += ["### All records", ""] + _table(header, rows) + [""]
-    if with_pred:
-        lines += _prediction_summary(recs, preds, same_code) + [""]
-
-    spd = speedups(recs)
-    if spd:
-        others = sorted({s.other_mode for s in spd}, key=mode_rank)
-        by_key: dict[tuple, dict[str, str]] = {}
-        base: dict[tuple, BenchRecord] = {}
-        for s in spd:
-            by_key.setdefault(s.key, {})[s.other_mode] = s.text
-            base[s.key] = s.csbp
-        # the configuration fields that tell this workload's groups apart (e.g. anchors, gather_ahead), and
-        # the run (numbered below) each group's CSBP record came from
-        varying = [name for name in CONFIG_EXTRAS
-                   if len({format_value((c.model_extra or {}).get(name)) for c in base.values()}) > 1]  # fmt: skip
-        header = ["context_len", "world_size", "block_size", "device", "date", *varying, "CSBP tokens/s"]
-        header += [f"CSBP / {m}" for m in others] + ["run", "fresh compile"]
-        rows = []
-        for key, by_mode in group_side_by_side(recs).items():
-            if key not in by_key:
-                continue
-            c = base[key]
-            row = [str(c.context_len), str(c.world_size), str(c.block_size), format_value(c.device),
-                   format_value(c.date)]  # fmt: skip
-            row += [format_value((c.model_extra or {}).get(name)) for name in varying]
-            row.append(format_value(c.tokens_per_s))
-            row += [by_key[key].get(m, "—") for m in others]
-            row.append(f"[{runs[(c.device, c.date, c.command)]}]")
-            row.append("yes" if all(fresh_compile(r) for rs in by_mode.values() for r in rs) else "no")
-            rows.append(row)
-        rows.sort(key=lambda row: (row[3], row[4], int(row[1]), int(row[2]), int(row[0])))
-        lines += [
-            "### CSBP speedup, measured side by side",
-            "",
-            "Computed from the records above: same workload, context, world size, block size, date, device and launch "
-            "(tokens/s of CSBP over tokens/s of the other mode; the fastest ok record when a mode was repeated; "
-            "`<mode> oom` where the other mode did not fit). `fresh compile`: every mode started from a fresh "
-            "compile state (its own process, or `bench/isolation.py`'s reset). Where it says no, a mode that ran "
-            "after another in the same process inherited that mode's compiled FlexAttention kernels and may have "
-            "run slower for it (measured up to 13% per step, docs/performance.md): treat that ratio as an upper "
-            "bound on CSBP's lead. Configuration columns (anchors, schedule, gather_ahead, ...) appear where the groups "
-            "differ in them; `—`: the records do not say (a switch added later: off in them). `run`: the command, "
-            "numbered under Runs.",
-            "",
-        ]
-        lines += _table(header, rows) + [""]
+    lines += _records_table(recs, runs, predictor, same_code)
+    lines += _speedup_table(recs, runs)
 
     lines += ["### Runs", ""]
     for (device, date, command), n in runs.items():
