@@ -9,8 +9,9 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ..errors import load_json, one_line, read_jsonl
 from ..outputs import write_text_atomic
 
 __all__ = ["BenchRecord", "load_records", "write_records"]
@@ -51,10 +52,6 @@ def load_records(
         # only record files: a leftover *.jsonl.tmp or a log beside them is not a record
         files.extend(sorted(f for f in p.glob("**/*") if f.suffix in (".json", ".jsonl")) if p.is_dir() else [p])
     records = []
-    from pydantic import ValidationError
-
-    from ..errors import load_json, one_line, read_jsonl
-
     for f in files:
         if f.suffix == ".jsonl":
             items = list(read_jsonl(f, "--results"))

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from ..errors import read_jsonl
+
 __all__ = ["has_consecutive_supervised", "read_jsonl", "sample_id_of", "tokenize_sample"]
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -32,8 +34,6 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 def read_jsonl(path: str, field: str = "data") -> Iterator[tuple[int, dict]]:
     """(line_number, record) for every non-empty line (0-based); a bad line - not UTF-8, not JSON, not an
     object - is a one-line ValueError naming the file and the line."""
-    from ..errors import read_jsonl
-
     for n, record in read_jsonl(path, field):
         if not isinstance(record, dict):
             raise ValueError(f"{field}: line {n} of {path} must be a JSON object")

@@ -19,6 +19,8 @@ from collections.abc import Mapping
 
 import torch
 
+from ..errors import read_jsonl
+
 __all__ = ["jsonl_prompts", "store_prompts"]
 
 
@@ -56,8 +58,6 @@ def _record_ids(record, where: str, tokenizer_of) -> list[int]:
 
 
 def jsonl_prompts(path: str, target: str, limit: int | None = None) -> list[torch.Tensor]:
-    from ..errors import read_jsonl
-
     prompts: list[torch.Tensor] = []
     tokenizer_of = functools.cache(lambda: _tokenizer(target))  # loaded on the first text / chat record
     for line_no, record in read_jsonl(path, "--prompts"):  # missing, a directory, not UTF-8 or JSON: one line

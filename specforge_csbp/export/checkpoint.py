@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from ..errors import load_json
+
 __all__ = ["DrafterCheckpoint", "load_checkpoint", "load_drafter_state", "resolve_source"]
 
 STATE_FILE = "training_state.pt"
@@ -120,12 +122,11 @@ def _load_specforge(path: str) -> DrafterCheckpoint:
 def _load_pretrained(path: str) -> DrafterCheckpoint:
     from safetensors.torch import load_file
 
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-        config = _config_from_dict(json.load(f), os.path.join(path, "config.json"))
+    config_path = os.path.join(path, "config.json")
+    config = _config_from_dict(load_json(config_path, "CHECKPOINT"), config_path)
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        files = sorted(set(load_json(index, "CHECKPOINT")["weight_map"].values()))
         state: dict[str, torch.Tensor] = {}
         for name in files:
             state.update(load_file(os.path.join(path, name)))

@@ -16,9 +16,10 @@ off) is never changed.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
+
+from ..errors import load_json
 
 __all__ = ["HEADROOM_GIB", "HEADROOM_SHARE", "KeepLogitsChoice", "choose_keep_logits_gib", "resolve_keep_logits"]
 
@@ -58,8 +59,7 @@ def _draft_config(path: str | None) -> dict:
     if not path:
         raise ValueError("no model.draft_model_config")
     src = path if path.endswith(".json") else os.path.join(path, "config.json")
-    with open(src, encoding="utf-8") as f:
-        return json.load(f)
+    return load_json(src, "model.draft_model_config")
 
 
 def predicted_step(cfg, options, cp_size: int, mode: str) -> tuple[float, float]:

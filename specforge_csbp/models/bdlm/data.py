@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from ...errors import read_jsonl
 from ...objectives.noise import sequence_seed
 
 __all__ = ["JsonlSource", "SyntheticSource", "TokenSource"]
@@ -54,8 +55,6 @@ class SyntheticSource:
 class JsonlSource:
     def __init__(self, path: str | Path, *, seq_len: int, pad_token_id: int, vocab_size: int):
         self.records: list[tuple[list[int], list[int]]] = []
-        from ...errors import read_jsonl
-
         for n, item in read_jsonl(path, "data.path"):  # not UTF-8 or not JSON: one line naming file and line
             try:
                 ids, mask = item["input_ids"], item.get("loss_mask", [1] * len(item["input_ids"]))
