@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..errors import read_jsonl
+from .. import errors
 
 __all__ = ["has_consecutive_supervised", "read_jsonl", "sample_id_of", "tokenize_sample"]
 
@@ -34,7 +34,7 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 def read_jsonl(path: str, field: str = "data") -> Iterator[tuple[int, dict]]:
     """(line_number, record) for every non-empty line (0-based); a bad line - not UTF-8, not JSON, not an
     object - is a one-line ValueError naming the file and the line."""
-    for n, record in read_jsonl(path, field):
+    for n, record in errors.read_jsonl(path, field):
         if not isinstance(record, dict):
             raise ValueError(f"{field}: line {n} of {path} must be a JSON object")
         yield n - 1, record
