@@ -6,8 +6,8 @@ when its config (after `training.strategy=...` overrides) names one of the plugi
 `benchmark`, `--help` - goes to SpecForge's own `main` unchanged; `specforge train --help` additionally
 prints the plugin's flags after SpecForge's help.
 
-This module imports only the standard library, PyYAML and the package's readers (errors.py); the launcher (torch, specforge) loads only when
-the command line is the plugin's.
+This module imports only the standard library, PyYAML and the package's readers (errors.py); the launcher
+(torch, specforge) loads only when the command line is the plugin's.
 """
 
 from __future__ import annotations
