@@ -23,7 +23,14 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["file_sha256", "pyplot", "save_figure_atomic", "staged_dir", "write_json_atomic", "write_text_atomic"]
+__all__ = [
+    "file_sha256",
+    "pyplot",
+    "save_figure_atomic",
+    "staged_dir",
+    "write_json_atomic",
+    "write_text_atomic",
+]
 
 
 def file_sha256(path: str | os.PathLike, chunk_bytes: int = 1 << 24) -> str:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import load_json
 from ..outputs import file_sha256, staged_dir
 from .checkpoint import DrafterCheckpoint, load_checkpoint
 
@@ -106,8 +107,7 @@ def target_dtype(target: str | None) -> str | None:
     path = os.path.join(target, "config.json") if target else ""
     if not path or not os.path.isfile(path):
         return None
-    with open(path, encoding="utf-8") as f:
-        config = json.load(f)
+    config = load_json(path, "--target")  # not UTF-8 or not JSON: one line naming the file and the line
     for where in (config, config.get("text_config") or {}):
         value = where.get("dtype") or where.get("torch_dtype")
         if value is not None:
