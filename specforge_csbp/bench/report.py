@@ -100,6 +100,15 @@ def _pct(pred: float | None, meas: float | None) -> str:
     return f"{100 * (pred / meas - 1):+.1f}%"
 
 
+def _image_links(workload: str, images: dict[str, Path], doc_dir: Path, kinds: tuple[str, ...],
+                 speedup_over: str) -> list[str]:  # fmt: skip
+    """Markdown image lines for a workload's plots (paths relative to the page), in the order of `kinds`."""
+    captions = {"tokens_per_s": "tokens/s vs context", "speedup": f"CSBP speedup over the {speedup_over}",
+                "peak_mem": "peak memory vs context"}  # fmt: skip
+    return [f"![{workload}: {captions[kind]}]({Path(os.path.relpath(images[kind], doc_dir)).as_posix()})"
+            for kind in kinds if kind in images]  # fmt: skip
+
+
 def _records_table(
     recs: list[BenchRecord], runs: dict[tuple[str, str, str], int], predictor: Predictor | None,
     same_code: Callable[[BenchRecord], bool] | None,
@@ -195,12 +204,7 @@ def _workload_section(
     oom = sum(r.status == "oom" for r in recs)
     err = sum(r.status == "error" for r in recs)
     lines += [f"{len(recs)} records: {ok} ok, {oom} oom, {err} error.", ""]
-    captions = {"tokens_per_s": "tokens/s vs context", "speedup": "CSBP speedup over the best non-CSBP mode",
-                "peak_mem": "peak memory vs context"}  # fmt: skip
-    for kind in ("tokens_per_s", "speedup", "peak_mem"):
-        if kind in plots:
-            rel = Path(os.path.relpath(plots[kind], doc_dir)).as_posix()
-            lines.append(f"![{workload}: {captions[kind]}]({rel})")
+    lines += _image_links(workload, plots, doc_dir, ("tokens_per_s", "speedup", "peak_mem"), "best non-CSBP mode")
     if plots:
         lines.append("")
 
@@ -366,12 +370,7 @@ def render_summary(
         if not images:
             continue
         lines += [f"## {w}", ""]
-        captions = {"tokens_per_s": "tokens/s vs context", "speedup": "CSBP speedup over the best other mode",
-                    "peak_mem": "peak memory vs context"}  # fmt: skip
-        for kind in ("speedup", "tokens_per_s", "peak_mem"):
-            if kind in images:
-                rel = Path(os.path.relpath(images[kind], doc_dir)).as_posix()
-                lines.append(f"![{w}: {captions[kind]}]({rel})")
+        lines += _image_links(w, images, doc_dir, ("speedup", "tokens_per_s", "peak_mem"), "best other mode")
         lines.append("")
     return "\n".join(lines).rstrip("\n") + "\n"
 
