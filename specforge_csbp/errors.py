@@ -9,9 +9,13 @@ into the one line it prints with `one_line`:
     safetensors errors                        `FILE: not a complete safetensors file (...)`
 
 `is_user_error` says which exceptions are the user's (printed as one line, exit 2) and which are bugs
-(tracebacks). The readers (`read_text`, `read_lines`, `load_json`, `load_yaml`) are what entry points use
-to read a user's text file: a missing file, a directory, non-UTF-8 bytes, bad JSON or YAML all become a
-one-line ValueError naming the field, the file and the line.
+(tracebacks). The readers are what every entry point uses to read a user's text file: a missing file, a
+directory, non-UTF-8 bytes, bad JSON or YAML all become a one-line ValueError naming the field, the file and
+the line:
+
+    read_text     the whole file as UTF-8              read_lines   (line number, text), streamed
+    load_json     one JSON document                    read_jsonl   (line number, value) per non-blank line
+    load_yaml     one YAML document                    load_config  YAML for .yaml / .yml, else JSON
 """
 
 from __future__ import annotations
@@ -22,11 +26,15 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from .preflight import check_input_file
+
 __all__ = [
     "is_user_error",
+    "load_config",
     "load_json",
     "load_yaml",
     "one_line",
+    "read_jsonl",
     "read_lines",
     "read_text",
 ]
@@ -109,18 +117,9 @@ def _yaml_message(err) -> str:
     return f"{where}{problem}" + (f" ({context})" if context else "")
 
 
-def _check_file(path: str | os.PathLike, field: str) -> str:
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        raise ValueError(f"{field}: {path} is a directory; give a file")
-    if not os.path.exists(path):
-        raise ValueError(f"{field}: cannot read {path}: No such file or directory")
-    return path
-
-
 def read_text(path: str | os.PathLike, field: str) -> str:
     """The whole file as UTF-8; one-line ValueError naming `field`, the file and the line of a bad byte."""
-    path = _check_file(path, field)
+    path = check_input_file(path, field)
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -136,7 +135,7 @@ def read_text(path: str | os.PathLike, field: str) -> str:
 
 def read_lines(path: str | os.PathLike, field: str) -> Iterator[tuple[int, str]]:
     """(1-based line number, text) of every line, decoded as UTF-8 one line at a time (streams large files)."""
-    path = _check_file(path, field)
+    path = check_input_file(path, field)
     try:
         f = open(path, "rb")  # noqa: SIM115 - closed below; a generator cannot use `with` across yields safely
     except OSError as err:
@@ -148,6 +147,18 @@ def read_lines(path: str | os.PathLike, field: str) -> Iterator[tuple[int, str]]
             except UnicodeDecodeError as err:
                 raise ValueError(f"{field}: {path}:{n} is not UTF-8 text (byte {raw[err.start:err.start + 1]!r} "
                                  f"at column {err.start + 1}); convert the file to UTF-8") from None  # fmt: skip
+
+
+def read_jsonl(path: str | os.PathLike, field: str) -> Iterator[tuple[int, Any]]:
+    """(1-based line number, parsed JSON) of every non-blank line (streamed); one-line ValueError with
+    `field`, file and line on a bad line. What a value must be (an object, a record) is the caller's check."""
+    for n, line in read_lines(path, field):
+        if not line.strip():
+            continue
+        try:
+            yield n, json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{field}: {os.fspath(path)}:{n} is not valid JSON ({err.msg})") from None
 
 
 def load_json(path: str | os.PathLike, field: str) -> Any:
@@ -168,3 +179,9 @@ def load_yaml(path: str | os.PathLike, field: str) -> Any:
         return yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise ValueError(f"{field}: {os.fspath(path)} is not valid YAML: {_yaml_message(err)}") from None
+
+
+def load_config(path: str | os.PathLike, field: str) -> Any:
+    """A config file: YAML when it is named .yaml / .yml, JSON otherwise (the readers above, their errors)."""
+    loader = load_yaml if os.fspath(path).endswith((".yaml", ".yml")) else load_json
+    return loader(path, field)

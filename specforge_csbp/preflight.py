@@ -2,7 +2,8 @@
 or a step runs is checked here, once, with one line naming the field and what is allowed.
 
     check_writable_dir      an output directory: not a file, no file on its path, writable (created later)
-    check_input_file        an input that must be a file (not a directory, present)
+    check_input_file        an input that must be a file (not a directory, present); errors.py's readers
+                            check every file they read with it
     check_finite            every float of a config (nested dicts/lists): no NaN, no +-inf
     check_store_trainable   every feature-store sample keeps a DFlash anchor within data.max_length
     check_outside           an output that must not live inside a directory another process rotates

@@ -52,7 +52,7 @@ def test_cli_one_line_errors(capsys, override, expected):
 def test_cli_missing_config(capsys):
     rc = main(["train-bdlm", "-c", "/nonexistent/recipe.yaml"])
     err = capsys.readouterr().err.strip()
-    assert rc == 2 and "config: cannot read /nonexistent/recipe.yaml" in err and len(err.splitlines()) == 1
+    assert rc == 2 and "config: /nonexistent/recipe.yaml does not exist" in err and len(err.splitlines()) == 1
 
 
 def test_objective_errors():

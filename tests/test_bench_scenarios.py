@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from specforge_csbp.bench.processes import run_group
 from specforge_csbp.bench.scenarios import BENCHES, build_command, load_scenarios, main, run_scenarios
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,6 +102,23 @@ runs = [
     while Path(f"/proc/{child}").exists() and "zombie" not in _state(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not Path(f"/proc/{child}").exists() or "zombie" in _state(child)
+
+
+@pytest.mark.parametrize("grace_s", [0.0, 2.0])
+def test_run_group_stops_the_whole_group_at_its_limit(tmp_path, grace_s):
+    """The one group runner behind the sweep (SIGKILL at once) and the scenarios (SIGTERM, grace, SIGKILL):
+    the leader and the child it started both stop; output goes where asked; a quick command keeps its code."""
+    log = tmp_path / "log"
+    with open(log, "w") as f:
+        rc, stopped = run_group(["sh", "-c", f"echo hi; sleep 60 & echo $! > {tmp_path}/pid; wait"], 1,
+                                grace_s=grace_s, stdout=f)  # fmt: skip
+    assert stopped and rc != 0 and log.read_text() == "hi\n"
+    child = int((tmp_path / "pid").read_text())
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and "zombie" not in _state(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{child}").exists() or "zombie" in _state(child)
+    assert run_group(["sh", "-c", "exit 3"], 30, grace_s=grace_s) == (3, False)
 
 
 def _state(pid: int) -> str:

@@ -205,7 +205,7 @@ def test_capture_cli_errors_are_one_line(tmp_path, capsys):
     bad.write_text('{"text": "fine"}\n{"text": oops}\n')
     code, _, err = _run(capsys, "capture", "--target", TINY_TARGET_DIR, "--data", str(bad), "--out",
                         str(tmp_path / "d"), "--target-layer-ids", "1", "--no-progress")  # fmt: skip
-    assert code == 2 and "data: line 2 of" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and f"--data: {bad}:2 is not valid JSON (Expecting value)" in err and len(err.strip().splitlines()) == 1
 
 
 def test_input_ids_records(tmp_path, tokenizer, capsys):

@@ -11,11 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specforge_csbp.export.checkpoint import load_checkpoint, sha256_file
+from specforge_csbp.export.checkpoint import load_checkpoint
 from specforge_csbp.export.sglang_contract import check_config, check_export, expected_params, simulate_load
 from specforge_csbp.export.writer import export_drafter, load_exported
 from specforge_csbp.models.dflash.configuration import DFlashConfig, make_dflash_config
 from specforge_csbp.models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel
+from specforge_csbp.outputs import file_sha256
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,8 +65,8 @@ def test_export_meets_contract_and_reloads_identically(tmp_path, dflash2, to):
     assert torch.equal(_outputs(model), _outputs(load_exported(str(out))))
     provenance = json.loads((out / "provenance.json").read_text())
     assert provenance["to"] == to and provenance["architecture"] == arch
-    assert provenance["source"]["sha256"] == sha256_file(str(tmp_path / "trained" / "model.safetensors"))
-    assert provenance["files"]["model.safetensors"] == sha256_file(str(out / "model.safetensors"))
+    assert provenance["source"]["sha256"] == file_sha256(str(tmp_path / "trained" / "model.safetensors"))
+    assert provenance["files"]["model.safetensors"] == file_sha256(str(out / "model.safetensors"))
 
 
 def test_export_casts_dtype_and_overwrites_only_its_own_exports(tmp_path):

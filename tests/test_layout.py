@@ -5,7 +5,16 @@ import itertools
 import pytest
 import torch
 
-from specforge_csbp.layout import CLEAN, NOISY, ZigzagShards, assign_dual_end, bdlm_plan
+from specforge_csbp.layout import (
+    CLEAN,
+    NOISY,
+    ZigzagShards,
+    assign_dual_end,
+    bdlm_plan,
+    check_bdlm_shape,
+    check_block_shape,
+    check_mode,
+)
 from specforge_csbp.layout.plans import block_assignment
 
 SHAPES = [(b * s, s, p) for s in (1, 4, 16) for b in range(1, 41) for p in range(1, 9) if b >= p]
@@ -126,6 +135,35 @@ def test_bad_shapes_give_one_line_errors(args, message):
     with pytest.raises(ValueError, match=message) as err:
         bdlm_plan(*args)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "shape, message",
+    [
+        ((16, 0, 2), "block_size must be >= 1, got 0"),
+        ((0, 4, 2), "seq_len must be a positive multiple of block_size=4, got 0"),
+        ((18, 4, 2), "seq_len must be a positive multiple of block_size=4, got 18"),
+        ((16, 4, 0), "world_size must be >= 1, got 0"),
+    ],
+)
+def test_zigzag_and_every_mode_refuse_a_bad_shape_with_the_same_line(shape, message):
+    """One shape check (check_block_shape) behind ZigzagShards and check_bdlm_shape."""
+    for build in (lambda: check_block_shape(*shape), lambda: ZigzagShards(*shape),
+                  *[lambda m=m: check_bdlm_shape(m, *shape) for m in ("cp", "bp", "csbp")]):  # fmt: skip
+        with pytest.raises(ValueError) as err:
+            build()
+        assert str(err.value) == message
+
+
+def test_one_mode_check_names_the_modes_its_caller_allows():
+    check_mode("csbp")
+    check_mode("dp", ("reference", "dp", "cp", "csbp"))
+    with pytest.raises(ValueError) as err:
+        check_mode("dp")
+    assert str(err.value) == "mode must be one of reference, cp, bp, csbp; got 'dp'"
+    with pytest.raises(ValueError) as err:
+        check_mode("bp", ("reference", "dp", "cp", "csbp"))
+    assert str(err.value) == "mode must be one of reference, dp, cp, csbp; got 'bp'"
 
 
 def test_assign_near_home_keeps_runs_home_and_balances_within_slack():

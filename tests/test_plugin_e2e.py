@@ -77,10 +77,11 @@ def test_specforge_train_csbp_then_sglang_export(tmp_path):
 
     from safetensors.torch import load_file
 
-    from specforge_csbp.export.checkpoint import load_checkpoint, sha256_file
+    from specforge_csbp.export.checkpoint import load_checkpoint
     from specforge_csbp.export.sglang_contract import check_export
     from specforge_csbp.export.writer import export_drafter, load_exported
     from specforge_csbp.models.dflash.modeling import DFlash2DraftModel
+    from specforge_csbp.outputs import file_sha256
 
     out = tmp_path / "drafter-sglang"
     result = export_drafter(str(tmp_path / "csbp-out"), str(out), to="sglang")
@@ -95,7 +96,7 @@ def test_specforge_train_csbp_then_sglang_export(tmp_path):
     ckpt = load_checkpoint(str(tmp_path / "csbp-out"))
     assert ckpt.strategy == "dflash2-csbp" and ckpt.global_step == STEPS
     provenance = json.loads((out / "provenance.json").read_text())
-    assert provenance["source"]["sha256"] == sha256_file(ckpt.source)
+    assert provenance["source"]["sha256"] == file_sha256(ckpt.source)
     assert provenance["source"]["strategy"] == "dflash2-csbp" and provenance["files"]["model.safetensors"]
 
     trained = DFlash2DraftModel(ckpt.config)

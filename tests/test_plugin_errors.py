@@ -109,7 +109,8 @@ def test_rank_sets_cp_fastest():
 
 
 def _fake_store(tmp_path, layer_ids, hidden=64):
-    from specforge_csbp.data.manifest import StoreManifest, TargetInfo, write_json_atomic
+    from specforge_csbp.data.manifest import StoreManifest, TargetInfo
+    from specforge_csbp.outputs import write_json_atomic
 
     root = tmp_path / "store"
     root.mkdir(exist_ok=True)

@@ -127,6 +127,20 @@ def test_claims_follow_flags_and_strategy(tmp_path, strategy, args, expected):
     assert strategy_of(["--config=" + str(cfg)]) == strategy
 
 
+def test_routing_reads_the_config_with_the_shared_reader_and_leaves_bad_ones_to_specforge(tmp_path):
+    """strategy_of reads YAML or JSON through errors.load_config; a config it cannot read (missing, a
+    directory, not UTF-8, bad YAML, not a mapping) is not claimed, so SpecForge reports it in its own words."""
+    good = tmp_path / "run.yaml"
+    good.write_text("training:\n  strategy: dflash2-csbp\n")
+    assert strategy_of(["-c", str(good)]) == "dflash2-csbp" and claims(["train", f"-c{good}"])
+    (tmp_path / "bad.yaml").write_text("training: [\n")
+    (tmp_path / "latin1.json").write_bytes(b'{"training": {"strategy": "caf\xe9"}}')
+    (tmp_path / "list.yml").write_text("- training\n")
+    for path in ("missing.yaml", "bad.yaml", "latin1.json", "list.yml", "."):
+        assert strategy_of(["--config", str(tmp_path / path)]) is None
+        assert not claims(["train", "--config", str(tmp_path / path)])
+
+
 def test_dispatch_passes_unclaimed_train_to_specforge(tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text("training:\n  strategy: dflash\n")

@@ -56,7 +56,7 @@ CASES: dict[str, tuple[list[str], str | None, str]] = {
     "override-syntax": (["train.lr"], None, "override 'train.lr' must look like section.field=value"),
     "jsonl-path": (["data.source=jsonl"], None, "data: data.path is required for source 'jsonl'"),
     "jsonl-unreadable": (ONE + ["data.source=jsonl", "data.path={tmp}/missing.jsonl"], None,
-                         "data.path: cannot read {tmp}/missing.jsonl: No such file or directory"),
+                         "data.path: {tmp}/missing.jsonl does not exist"),
     "empty-dataset": (["data.source=jsonl", "data.path={tmp}/empty.jsonl"], "jsonl",
                       "data.path: {tmp}/empty.jsonl has no records"),
     "token-range": (ONE + ["data.source=jsonl", "data.path={tmp}/oov.jsonl"], "jsonl",

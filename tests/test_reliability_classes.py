@@ -23,7 +23,7 @@ from specforge_csbp.cli.main import main
 from specforge_csbp.data import store as store_mod
 from specforge_csbp.data.manifest import TargetInfo
 from specforge_csbp.data.store import FeatureStore, FeatureStoreWriter
-from specforge_csbp.errors import load_json, load_yaml, one_line, read_lines
+from specforge_csbp.errors import load_config, load_json, load_yaml, one_line, read_jsonl, read_lines
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -68,6 +68,29 @@ def test_the_formatter_turns_file_system_and_parse_errors_into_one_line(tmp_path
         list(read_lines(bad, "--cfg"))
     with pytest.raises(ValueError, match=rf"--cfg: {tmp_path} is a directory; give a file"):
         load_json(tmp_path, "--cfg")
+
+
+def test_one_reader_per_format_every_entry_point_shares(tmp_path):
+    """load_config picks YAML or JSON by the name; read_jsonl skips blank lines and names a bad line; every
+    reader refuses a missing file and a directory with preflight.check_input_file's words."""
+    (tmp_path / "a.yaml").write_text("training:\n  strategy: dflash2\n")
+    (tmp_path / "a.json").write_text('{"training": {"strategy": "dflash"}}')
+    (tmp_path / "a.cfg").write_text("training: {strategy: x}\n")  # YAML text under a JSON name
+    assert load_config(tmp_path / "a.yaml", "--config") == {"training": {"strategy": "dflash2"}}
+    assert load_config(tmp_path / "a.json", "--config") == {"training": {"strategy": "dflash"}}
+    with pytest.raises(ValueError, match=rf"--config: {tmp_path}/a.cfg:1:1 is not valid JSON"):
+        load_config(tmp_path / "a.cfg", "--config")
+    rows = tmp_path / "r.jsonl"
+    rows.write_text('{"a": 1}\n\n  \n[2]\n{"b": \n')
+    it = read_jsonl(rows, "--rows")
+    assert next(it) == (1, {"a": 1}) and next(it) == (4, [2])
+    with pytest.raises(ValueError, match=rf"^--rows: {rows}:5 is not valid JSON \(Expecting value\)$"):
+        next(it)
+    for reader in (load_config, load_json, load_yaml, lambda path, field: list(read_jsonl(path, field))):
+        with pytest.raises(ValueError, match=rf"^--x: {tmp_path}/none.yaml does not exist$"):
+            reader(tmp_path / "none.yaml", "--x")
+        with pytest.raises(ValueError, match=rf"^--x: {tmp_path} is a directory; give a file$"):
+            reader(tmp_path, "--x")
 
 
 @pytest.mark.parametrize("case", ["plan-block-0", "plan-gpu-mem-inf", "plan-model-dir", "plan-model-utf8",

@@ -92,10 +92,10 @@ def test_superseded_records_stay_out_of_the_headline_page_and_its_plots(tmp_path
     drawn: dict[str, dict[str, dict[int, float]]] = {}
     real_save = plots._save
 
-    def capture(plt, fig, ax, path, contexts, title, ylabel):
+    def capture(fig, ax, path, contexts, title, ylabel):
         drawn[Path(path).stem] = {line.get_label(): dict(zip(line.get_xdata(), line.get_ydata()))
                                   for line in ax.get_lines() if not line.get_label().startswith("_")}  # fmt: skip
-        real_save(plt, fig, ax, path, contexts, title, ylabel)
+        real_save(fig, ax, path, contexts, title, ylabel)
 
     monkeypatch.setattr(plots, "_save", capture)
     rerun = {1: "one-gpu", 2: "two-gpus"}

@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 
+from ..outputs import write_text_atomic
 from .grammar import conversations
 from .target import TargetRecipe, build_target, greedy_answers
 
@@ -29,14 +30,6 @@ _EVAL_SEED_OFFSET = 2_000
 
 def _dump(records: list[dict]) -> str:
     return "".join(json.dumps(r) + "\n" for r in records)
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    """Write `text` to `path` through a temporary file and a rename: a killed run leaves no half file."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def build_data(
@@ -61,10 +54,10 @@ def build_data(
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     asked = conversations(seed + _TRAIN_SEED_OFFSET, train_samples, with_answer=False)
     answered = greedy_answers(model, tokenizer, asked, max_new_tokens=max_new_tokens)
-    atomic_write_text(train, _dump(answered))
+    write_text_atomic(train, _dump(answered))
     held_out = conversations(seed + _EVAL_SEED_OFFSET, eval_prompts, with_answer=False)
-    atomic_write_text(prompts, _dump(held_out))
-    atomic_write_text(stamp, json.dumps(recipe, indent=2) + "\n")
+    write_text_atomic(prompts, _dump(held_out))
+    write_text_atomic(stamp, json.dumps(recipe, indent=2) + "\n")
     print(f"data: {train_samples} samples answered by the target -> {train}; "
           f"{eval_prompts} held-out prompts -> {prompts}")  # fmt: skip
     return train, prompts

@@ -20,12 +20,12 @@ import math
 import os
 import random
 import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 
 import torch
 
+from ..outputs import staged_dir
 from . import TINY_TARGET_DIR
 from .grammar import TOPICS, conversations
 
@@ -152,22 +152,13 @@ def build_target(out_dir: str, recipe: TargetRecipe | None = None, *, log=print)
                     log(f"target: reusing {out_dir} (same recipe {recipe.key})")
                 return out_dir
     model, _, loss = train_target(recipe, log=log)
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".target-", dir=parent)
-    try:
+    with staged_dir(out_dir) as tmp:
         model.save_pretrained(tmp)
         for name in _TOKENIZER_FILES:
             shutil.copyfile(os.path.join(TINY_TARGET_DIR, name), os.path.join(tmp, name))
         with open(os.path.join(tmp, "build.json"), "w") as f:
             json.dump({"key": recipe.key, "recipe": recipe.as_dict(), "final_loss": loss}, f, indent=2)
             f.write("\n")
-        if os.path.isdir(out_dir):
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

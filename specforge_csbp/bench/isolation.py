@@ -1,20 +1,19 @@
 """Give every mode of one benchmark launch the same starting state.
 
 Why: FlexAttention is compiled with automatic dynamic shapes (attention/flex.py). The first shape a call
-site sees gets a static kernel; the first *different* shape recompiles it as a dynamic kernel, which was
-measured 14-16% slower on H200 (Qwen3-1.7B SFT, 64K: CP's attention 5.9 s in its own process, 6.9 s when it
-ran after CSBP in the same launch). Without a reset, whichever mode runs second inherits the first mode's
-compile history and pays for it - an order effect, not a property of the mode.
+site sees gets a static kernel; the first *different* shape recompiles it as a dynamic kernel, which is
+slower (docs/performance.md, "Fresh compile state per mode"). Without a reset, whichever mode runs second
+inherits the first mode's compile history and pays for it - an order effect, not a property of the mode.
 
     launch:  [mode A: compile, warm up, time] -> fresh_point() -> [mode B: compile, warm up, time]
                                                  (dynamo caches, allocator cache, garbage)
 
 Warm-up to a steady compile state (`warm_up`): automatic dynamic shapes recompile a call site each time one
 of its lengths changes for the first time, and a drafter step's lengths change every step (anchors are drawn
-per step). Two fixed warm-up steps were not always enough: on 2 H200 CSBP's overlap schedule,
-which has P seam calls per layer where fused has one, compiled 2 graphs during its 3 timed steps at 64K and
-256K, and the median step then was a compiling one (1535 ms against 813 ms fused). So the warm-up runs on
-until a step compiles nothing new; the timed steps still report what they compiled. A shape that changes
+per step). A fixed number of warm-up steps is not enough: a schedule with more seam calls per layer (overlap
+has P where fused has one) keeps compiling new graphs for longer, and a median taken over compiling steps
+measures the compiler. So the warm-up runs on until a step compiles nothing new; the timed steps still
+report what they compiled. A shape that changes
 for the first time after the warm-up (CSBP's per-rank block count can repeat for a few steps: anchors are
 owned by cost, not by count) still recompiles once in the timed steps - hence at least 4 warm-up steps in
 benchmarks/drafter_bench.py, and the median of the timed steps.

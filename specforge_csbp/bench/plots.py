@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ..outputs import pyplot, save_figure_atomic
 from .compare import best_other, group_side_by_side, mode_rank
 from .latest import HeadlineRow, problem_fields
 from .records import BenchRecord
@@ -27,16 +28,6 @@ PLOT_KINDS = ("tokens_per_s", "speedup", "peak_mem")
 def slug(name: str) -> str:
     """File-name-safe form of a workload name."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "workload"
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    plt.rcParams["svg.hashsalt"] = "specforge-csbp"
-    return plt
 
 
 def context_label(n: int) -> str:
@@ -62,7 +53,7 @@ def _series_label(r: BenchRecord, vary: dict[str, bool], with_mode: bool = True)
     return " ".join(parts)
 
 
-def _save(plt, fig, ax, path: Path, contexts: list[int], title: str, ylabel: str) -> None:
+def _save(fig, ax, path: Path, contexts: list[int], title: str, ylabel: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xticks(contexts, [context_label(c) for c in contexts])
     ax.minorticks_off()
@@ -72,9 +63,7 @@ def _save(plt, fig, ax, path: Path, contexts: list[int], title: str, ylabel: str
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    # No Software/date metadata: the PNG depends only on the records (and the matplotlib version).
-    fig.savefig(path, dpi=110, metadata={"Software": None})
-    plt.close(fig)
+    save_figure_atomic(fig, path)  # no Software/date metadata: the PNG depends only on the records
 
 
 def _lines(points: dict[str, dict[int, float]], ax, sort_key) -> None:
@@ -97,7 +86,7 @@ def plot_workload(
     out: dict[str, Path] = {}
     if not ok:
         return out
-    plt = _pyplot()
+    plt = pyplot()
     img_dir.mkdir(parents=True, exist_ok=True)
     labels: dict[str, BenchRecord] = {}
 
@@ -128,7 +117,7 @@ def plot_workload(
         fig, ax = plt.subplots(figsize=(7, 4.2))
         _lines(pts, ax, order)
         path = img_dir / f"{slug(workload)}_{kind}.png"
-        _save(plt, fig, ax, path, contexts, f"{workload}: {ylabel.split(' (')[0]}", ylabel)
+        _save(fig, ax, path, contexts, f"{workload}: {ylabel.split(' (')[0]}", ylabel)
         out[kind] = path
 
     # Speedup: the headline rows, else side-by-side groups only (compare.py): CSBP over the fastest other mode
@@ -153,7 +142,7 @@ def plot_workload(
         _lines(spd, ax, order)
         ax.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
         path = img_dir / f"{slug(workload)}_speedup.png"
-        _save(plt, fig, ax, path, contexts, f"{workload}: CSBP speedup over the best other mode",
+        _save(fig, ax, path, contexts, f"{workload}: CSBP speedup over the best other mode",
               "tokens/s of CSBP / best non-CSBP")  # fmt: skip
         out["speedup"] = path
     return out

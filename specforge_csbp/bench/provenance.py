@@ -1,7 +1,7 @@
 """Which library code produced a benchmark record or a machine profile: a digest of the package's sources.
 
 Why: the planner's error is only meaningful against records that ran the code its profile calibrated, and
-one date held four sessions of code changes (2026-11-30). Records and profiles carry `code`, the first 12
+one date can hold several versions of the code, so a date does not name it. Records and profiles carry `code`, the first 12
 hex digits of SHA-256 over every `specforge_csbp/**/*.py` (relative path and bytes, in path order), so the
 report can tell them apart (cli/report.py). The benchmark scripts themselves are not included: they time
 the library, the planner models the library.

@@ -5,12 +5,14 @@ Every benchmark, sweep, table and plot reads and writes this one schema; extra f
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..errors import load_json, one_line, read_jsonl
+from ..outputs import write_text_atomic
 
 __all__ = ["BenchRecord", "load_records", "write_records"]
 
@@ -50,19 +52,9 @@ def load_records(
         # only record files: a leftover *.jsonl.tmp or a log beside them is not a record
         files.extend(sorted(f for f in p.glob("**/*") if f.suffix in (".json", ".jsonl")) if p.is_dir() else [p])
     records = []
-    from pydantic import ValidationError
-
-    from ..errors import load_json, one_line, read_lines
-
     for f in files:
         if f.suffix == ".jsonl":
-            items = []
-            for n, line in read_lines(f, "--results"):
-                if line.strip():
-                    try:
-                        items.append((n, json.loads(line)))
-                    except json.JSONDecodeError as err:
-                        raise ValueError(f"--results: {f}:{n} is not valid JSON ({err.msg})") from None
+            items = list(read_jsonl(f, "--results"))
         else:
             data = load_json(f, "--results")
             items = list(enumerate(data if isinstance(data, list) else [data], 1))
@@ -84,6 +76,4 @@ def write_records(path: str | os.PathLike, records: list[BenchRecord], *, append
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     old = path.read_text() if append and path.exists() else ""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(old + "".join(r.model_dump_json(exclude_none=True) + "\n" for r in records))
-    os.replace(tmp, path)
+    write_text_atomic(path, old + "".join(r.model_dump_json(exclude_none=True) + "\n" for r in records))

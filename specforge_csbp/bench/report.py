@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..outputs import write_text_atomic
 from .compare import CONFIG_EXTRAS, extra_fields, group_side_by_side, mode_rank, speedups
 from .latest import HeadlineRow, headline_rows, latest_records, problem_fields
 from .plots import context_label, plot_workload
@@ -99,33 +100,21 @@ def _pct(pred: float | None, meas: float | None) -> str:
     return f"{100 * (pred / meas - 1):+.1f}%"
 
 
-def _workload_section(
-    recs: list[BenchRecord],
-    plots: dict[str, Path],
-    doc_dir: Path,
-    predictor: Predictor | None = None,
-    same_code: Callable[[BenchRecord], bool] | None = None,
-) -> list[str]:
-    workload = recs[0].workload
-    lines = [f"## {workload}", ""]
-    ok = sum(r.status == "ok" for r in recs)
-    oom = sum(r.status == "oom" for r in recs)
-    err = sum(r.status == "error" for r in recs)
-    lines += [f"{len(recs)} records: {ok} ok, {oom} oom, {err} error.", ""]
-    captions = {"tokens_per_s": "tokens/s vs context", "speedup": "CSBP speedup over the best non-CSBP mode",
+def _image_links(workload: str, images: dict[str, Path], doc_dir: Path, kinds: tuple[str, ...],
+                 speedup_over: str) -> list[str]:  # fmt: skip
+    """Markdown image lines for a workload's plots (paths relative to the page), in the order of `kinds`."""
+    captions = {"tokens_per_s": "tokens/s vs context", "speedup": f"CSBP speedup over the {speedup_over}",
                 "peak_mem": "peak memory vs context"}  # fmt: skip
-    for kind in ("tokens_per_s", "speedup", "peak_mem"):
-        if kind in plots:
-            rel = Path(os.path.relpath(plots[kind], doc_dir)).as_posix()
-            lines.append(f"![{workload}: {captions[kind]}]({rel})")
-    if plots:
-        lines.append("")
+    return [f"![{workload}: {captions[kind]}]({Path(os.path.relpath(images[kind], doc_dir)).as_posix()})"
+            for kind in kinds if kind in images]  # fmt: skip
 
-    # Runs: one entry per distinct (device, date, command), numbered in order of first appearance.
-    runs: dict[tuple[str, str, str], int] = {}
-    for r in recs:
-        runs.setdefault((r.device, r.date, r.command), len(runs) + 1)
 
+def _records_table(
+    recs: list[BenchRecord], runs: dict[tuple[str, str, str], int], predictor: Predictor | None,
+    same_code: Callable[[BenchRecord], bool] | None,
+) -> list[str]:
+    """The "All records" table: one row per record (+ the planner's prediction and its error, if predicted)."""
+    lines: list[str] = []
     optional = [(f, h) for f, h in OPTIONAL_COLUMNS if any(getattr(r, f) is not None for r in recs)]
     extras = [name for name in extra_fields(recs) if name not in HIDDEN_EXTRAS]
     preds = [predictor(r) if predictor else None for r in recs]
@@ -149,50 +138,83 @@ def _workload_section(
     lines += ["### All records", ""] + _table(header, rows) + [""]
     if with_pred:
         lines += _prediction_summary(recs, preds, same_code) + [""]
+    return lines
 
+
+def _speedup_table(recs: list[BenchRecord], runs: dict[tuple[str, str, str], int]) -> list[str]:
+    """The side-by-side speedup table: one row per group of records measured together (compare.py)."""
     spd = speedups(recs)
-    if spd:
-        others = sorted({s.other_mode for s in spd}, key=mode_rank)
-        by_key: dict[tuple, dict[str, str]] = {}
-        base: dict[tuple, BenchRecord] = {}
-        for s in spd:
-            by_key.setdefault(s.key, {})[s.other_mode] = s.text
-            base[s.key] = s.csbp
-        # the configuration fields that tell this workload's groups apart (e.g. anchors, gather_ahead), and
-        # the run (numbered below) each group's CSBP record came from
-        varying = [name for name in CONFIG_EXTRAS
-                   if len({format_value((c.model_extra or {}).get(name)) for c in base.values()}) > 1]  # fmt: skip
-        header = ["context_len", "world_size", "block_size", "device", "date", *varying, "CSBP tokens/s"]
-        header += [f"CSBP / {m}" for m in others] + ["run", "fresh compile"]
-        rows = []
-        for key, by_mode in group_side_by_side(recs).items():
-            if key not in by_key:
-                continue
-            c = base[key]
-            row = [str(c.context_len), str(c.world_size), str(c.block_size), format_value(c.device),
-                   format_value(c.date)]  # fmt: skip
-            row += [format_value((c.model_extra or {}).get(name)) for name in varying]
-            row.append(format_value(c.tokens_per_s))
-            row += [by_key[key].get(m, "—") for m in others]
-            row.append(f"[{runs[(c.device, c.date, c.command)]}]")
-            row.append("yes" if all(fresh_compile(r) for rs in by_mode.values() for r in rs) else "no")
-            rows.append(row)
-        rows.sort(key=lambda row: (row[3], row[4], int(row[1]), int(row[2]), int(row[0])))
-        lines += [
-            "### CSBP speedup, measured side by side",
-            "",
-            "Computed from the records above: same workload, context, world size, block size, date, device and launch "
-            "(tokens/s of CSBP over tokens/s of the other mode; the fastest ok record when a mode was repeated; "
-            "`<mode> oom` where the other mode did not fit). `fresh compile`: every mode started from a fresh "
-            "compile state (its own process, or `bench/isolation.py`'s reset). Where it says no, a mode that ran "
-            "after another in the same process inherited that mode's compiled FlexAttention kernels and may have "
-            "run slower for it (measured up to 13% per step, docs/performance.md): treat that ratio as an upper "
-            "bound on CSBP's lead. Configuration columns (anchors, schedule, gather_ahead, ...) appear where the groups "
-            "differ in them; `—`: the records do not say (a switch added later: off in them). `run`: the command, "
-            "numbered under Runs.",
-            "",
-        ]
-        lines += _table(header, rows) + [""]
+    if not spd:
+        return []
+    lines: list[str] = []
+    others = sorted({s.other_mode for s in spd}, key=mode_rank)
+    by_key: dict[tuple, dict[str, str]] = {}
+    base: dict[tuple, BenchRecord] = {}
+    for s in spd:
+        by_key.setdefault(s.key, {})[s.other_mode] = s.text
+        base[s.key] = s.csbp
+    # the configuration fields that tell this workload's groups apart (e.g. anchors, gather_ahead), and
+    # the run (numbered below) each group's CSBP record came from
+    varying = [name for name in CONFIG_EXTRAS
+               if len({format_value((c.model_extra or {}).get(name)) for c in base.values()}) > 1]  # fmt: skip
+    header = ["context_len", "world_size", "block_size", "device", "date", *varying, "CSBP tokens/s"]
+    header += [f"CSBP / {m}" for m in others] + ["run", "fresh compile"]
+    rows = []
+    for key, by_mode in group_side_by_side(recs).items():
+        if key not in by_key:
+            continue
+        c = base[key]
+        row = [str(c.context_len), str(c.world_size), str(c.block_size), format_value(c.device),
+               format_value(c.date)]  # fmt: skip
+        row += [format_value((c.model_extra or {}).get(name)) for name in varying]
+        row.append(format_value(c.tokens_per_s))
+        row += [by_key[key].get(m, "—") for m in others]
+        row.append(f"[{runs[(c.device, c.date, c.command)]}]")
+        row.append("yes" if all(fresh_compile(r) for rs in by_mode.values() for r in rs) else "no")
+        rows.append(row)
+    rows.sort(key=lambda row: (row[3], row[4], int(row[1]), int(row[2]), int(row[0])))
+    lines += [
+        "### CSBP speedup, measured side by side",
+        "",
+        "Computed from the records above: same workload, context, world size, block size, date, device and launch "
+        "(tokens/s of CSBP over tokens/s of the other mode; the fastest ok record when a mode was repeated; "
+        "`<mode> oom` where the other mode did not fit). `fresh compile`: every mode started from a fresh "
+        "compile state (its own process, or `bench/isolation.py`'s reset). Where it says no, a mode that ran "
+        "after another in the same process inherited that mode's compiled FlexAttention kernels and may have "
+        "run slower for it (measured up to 13% per step, docs/performance.md): treat that ratio as an upper "
+        "bound on CSBP's lead. Configuration columns (anchors, schedule, gather_ahead, ...) appear where the groups "
+        "differ in them; `—`: the records do not say (a switch added later: off in them). `run`: the command, "
+        "numbered under Runs.",
+        "",
+    ]
+    lines += _table(header, rows) + [""]
+    return lines
+
+
+def _workload_section(
+    recs: list[BenchRecord],
+    plots: dict[str, Path],
+    doc_dir: Path,
+    predictor: Predictor | None = None,
+    same_code: Callable[[BenchRecord], bool] | None = None,
+) -> list[str]:
+    workload = recs[0].workload
+    lines = [f"## {workload}", ""]
+    ok = sum(r.status == "ok" for r in recs)
+    oom = sum(r.status == "oom" for r in recs)
+    err = sum(r.status == "error" for r in recs)
+    lines += [f"{len(recs)} records: {ok} ok, {oom} oom, {err} error.", ""]
+    lines += _image_links(workload, plots, doc_dir, ("tokens_per_s", "speedup", "peak_mem"), "best non-CSBP mode")
+    if plots:
+        lines.append("")
+
+    # Runs: one entry per distinct (device, date, command), numbered in order of first appearance.
+    runs: dict[tuple[str, str, str], int] = {}
+    for r in recs:
+        runs.setdefault((r.device, r.date, r.command), len(runs) + 1)
+
+    lines += _records_table(recs, runs, predictor, same_code)
+    lines += _speedup_table(recs, runs)
 
     lines += ["### Runs", ""]
     for (device, date, command), n in runs.items():
@@ -348,12 +370,7 @@ def render_summary(
         if not images:
             continue
         lines += [f"## {w}", ""]
-        captions = {"tokens_per_s": "tokens/s vs context", "speedup": "CSBP speedup over the best other mode",
-                    "peak_mem": "peak memory vs context"}  # fmt: skip
-        for kind in ("speedup", "tokens_per_s", "peak_mem"):
-            if kind in images:
-                rel = Path(os.path.relpath(images[kind], doc_dir)).as_posix()
-                lines.append(f"![{w}: {captions[kind]}]({rel})")
+        lines += _image_links(w, images, doc_dir, ("speedup", "tokens_per_s", "peak_mem"), "best other mode")
         lines.append("")
     return "\n".join(lines).rstrip("\n") + "\n"
 
@@ -416,14 +433,9 @@ def _headline_table(rows: list[HeadlineRow], rerun: Callable[[BenchRecord], str 
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    """Write through a temporary file and rename: a reader never sees half a page."""
+    """A reader never sees half a page; a failed write (disk full) leaves the old page."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:  # a failed write (disk full) leaves the old page
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_text_atomic(path, text)
 
 
 def write_csv(records: list[BenchRecord], path: str | Path) -> None:

@@ -34,6 +34,7 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from .grid import SweepPoint
+from .processes import run_group
 from .provenance import library_digest
 from .records import BenchRecord, load_records, write_records
 from .report import render_markdown, write_csv
@@ -79,16 +80,9 @@ def classify_failure(returncode: int, log: str, timed_out: bool) -> tuple[str, s
 
 
 def _run(cmd: list[str], log_path: Path, timeout_s: float | None, env: dict[str, str]) -> tuple[int, bool]:
-    """Run in its own session so a timeout kills the whole tree (torchrun and its ranks)."""
+    """Run in its own process group so a timeout kills the whole tree (torchrun and its ranks) at once."""
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(),
-                                start_new_session=True)  # fmt: skip
-        try:
-            return proc.wait(timeout=timeout_s), False
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return proc.returncode, True
+        return run_group(cmd, timeout_s, stdout=log, env=env, cwd=os.getcwd())
 
 
 def _read_records(path: Path) -> list[BenchRecord]:

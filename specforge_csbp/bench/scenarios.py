@@ -23,14 +23,14 @@ import argparse
 import os
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import tomllib
+
 from .grid import parse_size, parse_sizes
+from .processes import run_group
 
 __all__ = [
     "BENCHES", "Run", "Scenario", "build_command", "load_scenarios", "main", "rerun_command", "run_scenarios",
@@ -192,21 +192,8 @@ def _selected(run: Run, contexts: set[int] | None) -> bool:
 def _execute(argv: list[str], limit_s: int) -> tuple[int, bool]:
     """Run in a process group of its own; stop the whole group at the limit (like `timeout -k 15`).
     Returns (exit code, whether the limit stopped it)."""
-    proc = subprocess.Popen(argv, start_new_session=True)
-    try:
-        return proc.wait(timeout=limit_s), False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            pass
-        try:  # whatever of the group outlived the leader (a rank, a sleeping child): nothing is left running
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-        return 124, True
+    rc, stopped = run_group(argv, limit_s, grace_s=15)
+    return (124, True) if stopped else (rc, False)
 
 
 def run_scenarios(

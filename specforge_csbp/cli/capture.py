@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 
 from tqdm import tqdm
 
@@ -141,15 +142,14 @@ def _load_tokenizer(path: str, given: bool):
         raise ValueError(f"{field}: cannot load a tokenizer from {path} ({str(err).splitlines()[0]})") from None
 
 
-def run(args: argparse.Namespace) -> int:
+def _check_args(args: argparse.Namespace) -> tuple[list[int], float, str | None]:
+    """Every check that needs no model, before the (possibly large) target loads: (layer ids, eval
+    fraction, OUT-eval or None)."""
     import torch
 
-    from ..data.capture import TargetFeatures, has_weights, load_target
-    from ..data.samples import has_consecutive_supervised, tokenize_sample
-    from ..data.store import FeatureStoreWriter, check_out_dir
+    from ..data.split import check_eval_fraction, eval_store_dir
+    from ..data.store import check_out_dir
     from ..preflight import check_input_file, check_writable_dir
-
-    from ..data.split import check_eval_fraction, eval_store_dir, held_out
 
     layer_ids = resolve_layer_ids(args)
     fraction = check_eval_fraction(args.eval_fraction)
@@ -173,6 +173,67 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--device: {args.device} requested but torch.cuda.is_available() is False")
     if not os.path.exists(args.target):
         raise ValueError(f"--target: {args.target} does not exist (give a checkpoint directory or a config.json)")
+    return layer_ids, fraction, eval_out
+
+
+@dataclass
+class _Counts:
+    """What one capture did: samples stored in the training store, skipped, already present (--resume),
+    held out (OUT-eval), and the training store's new tokens."""
+
+    stored: int = 0
+    skipped: int = 0
+    present: int = 0
+    held: int = 0
+    tokens: int = 0
+
+
+def _capture(args, bar, writer, eval_writer, fraction: float, tokenizer, features, vocab: int,
+             counts: _Counts) -> None:  # fmt: skip
+    """Tokenize each record of `bar` (the progress bar over `_records`), run the target and add the sample to
+    its store (the eval store when held out); --resume skips a sample already stored under the same id and
+    refuses one stored from another record. `counts` is updated in place, so SIGTERM leaves it current."""
+    from ..data.samples import has_consecutive_supervised, tokenize_sample
+    from ..data.split import held_out
+
+    for line, record, sid in bar:
+        where = f"line {line + 1} of {args.data}"
+        identity = _record_sha256(record, args.max_length)
+        target = eval_writer if eval_writer is not None and held_out(sid, fraction) else writer
+        if target.has(sid):
+            old = target.entry(sid).record_sha256
+            if old is not None and old != identity:
+                raise ValueError(
+                    f"--resume: {where} (sample id {sid!r}) is not the record the store at {target.root} "
+                    "captured under that id (another data file or --max-length); use --overwrite or a "
+                    "new --out"
+                )
+            counts.present += 1  # --resume: captured by an earlier run
+            continue
+        input_ids, loss_mask = tokenize_sample(tokenizer, record, max_length=args.max_length, where=where)
+        if int(input_ids.max()) >= vocab:
+            raise ValueError(f"input_ids: {where} has token id {int(input_ids.max())}, outside the target's "
+                             f"vocabulary [0, {vocab})")  # fmt: skip
+        if not has_consecutive_supervised(loss_mask):
+            counts.skipped += 1
+            continue
+        target.add(sid, input_ids, loss_mask, features(input_ids), record_sha256=identity)
+        if target is not writer:  # held out: --num-samples counts the training store's samples
+            counts.held += 1
+            continue
+        counts.stored, counts.tokens = counts.stored + 1, counts.tokens + int(input_ids.numel())
+        bar.set_postfix(tokens=str(counts.tokens), skipped=counts.skipped)
+        if args.num_samples is not None and counts.stored >= args.num_samples:
+            break
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..data.capture import TargetFeatures, has_weights, load_target
+    from ..data.store import FeatureStoreWriter
+
+    layer_ids, fraction, eval_out = _check_args(args)
     total = _scan(args.data)
     tok_path = args.tokenizer or (args.target if os.path.isdir(args.target) else os.path.dirname(args.target))
     tokenizer = _load_tokenizer(tok_path, args.tokenizer is not None)
@@ -190,16 +251,13 @@ def run(args: argparse.Namespace) -> int:
         model.save_pretrained(args.save_target)
         tokenizer.save_pretrained(args.save_target)
     vocab = int(model.config.get_text_config().vocab_size)
-    stored = skipped = present = tokens = held = 0
-    opened = {}  # output directory -> its writer (the training store, and OUT-eval with --eval-fraction)
+    counts = _Counts()
 
-    def writer_for(out: str):
-        if out not in opened:
-            opened[out] = FeatureStoreWriter(
-                out, target=info, target_layer_ids=layer_ids, hidden_size=features.hidden_size,
-                dtype=args.store_dtype or args.dtype, overwrite=args.overwrite, resume=args.resume,
-            )  # fmt: skip
-        return opened[out]
+    def writer_for(out: str) -> FeatureStoreWriter:
+        return FeatureStoreWriter(
+            out, target=info, target_layer_ids=layer_ids, hidden_size=features.hidden_size,
+            dtype=args.store_dtype or args.dtype, overwrite=args.overwrite, resume=args.resume,
+        )  # fmt: skip
 
     def terminate(signum, _frame):
         raise _Terminated(signum)
@@ -209,56 +267,27 @@ def run(args: argparse.Namespace) -> int:
     try:
         with contextlib.ExitStack() as stack:
             writer = stack.enter_context(writer_for(args.out))
-            if eval_out:
-                stack.enter_context(writer_for(eval_out))
+            eval_writer = stack.enter_context(writer_for(eval_out)) if eval_out else None
             bar = tqdm(_records(args.data), total=total, desc="capture", unit="sample", disable=args.no_progress)
-            for line, record, sid in bar:
-                where = f"line {line + 1} of {args.data}"
-                identity = _record_sha256(record, args.max_length)
-                target = opened[eval_out] if eval_out and held_out(sid, fraction) else writer
-                if target.has(sid):
-                    old = target.entry(sid).record_sha256
-                    if old is not None and old != identity:
-                        raise ValueError(
-                            f"--resume: {where} (sample id {sid!r}) is not the record the store at {target.root} "
-                            "captured under that id (another data file or --max-length); use --overwrite or a "
-                            "new --out"
-                        )
-                    present += 1  # --resume: captured by an earlier run
-                    continue
-                input_ids, loss_mask = tokenize_sample(tokenizer, record, max_length=args.max_length, where=where)
-                if int(input_ids.max()) >= vocab:
-                    raise ValueError(f"input_ids: {where} has token id {int(input_ids.max())}, outside the target's "
-                                     f"vocabulary [0, {vocab})")  # fmt: skip
-                if not has_consecutive_supervised(loss_mask):
-                    skipped += 1
-                    continue
-                target.add(sid, input_ids, loss_mask, features(input_ids), record_sha256=identity)
-                if target is not writer:  # held out: --num-samples counts the training store's samples
-                    held += 1
-                    continue
-                stored, tokens = stored + 1, tokens + int(input_ids.numel())
-                bar.set_postfix(tokens=str(tokens), skipped=skipped)
-                if args.num_samples is not None and stored >= args.num_samples:
-                    break
-            if stored + present + held == 0:
+            _capture(args, bar, writer, eval_writer, fraction, tokenizer, features, vocab, counts)
+            if counts.stored + counts.present + counts.held == 0:
                 raise ValueError(
                     f"--data: none of the {total} records of {args.data} has two consecutive supervised "
                     f"tokens within --max-length {args.max_length} (chat records need an assistant turn); "
                     "nothing to capture"
                 )
     except _Terminated:
-        print(f"capture: stopped by SIGTERM after {stored} new samples; the store at {args.out} is marked "
+        print(f"capture: stopped by SIGTERM after {counts.stored} new samples; the store at {args.out} is marked "
               "incomplete: rerun with --resume to finish it, or --overwrite to replace it",
               file=sys.stderr)  # fmt: skip
         return 128 + signal.SIGTERM
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
-    kept = f"; kept {present} from an earlier run" if present else ""
-    print(f"capture: wrote {stored} samples ({tokens} tokens) to {args.out}; skipped {skipped} without two "
-          f"consecutive supervised tokens{kept}")  # fmt: skip
+    kept = f"; kept {counts.present} from an earlier run" if counts.present else ""
+    print(f"capture: wrote {counts.stored} samples ({counts.tokens} tokens) to {args.out}; skipped {counts.skipped} "
+          f"without two consecutive supervised tokens{kept}")  # fmt: skip
     if eval_out:
-        print(f"capture: held out {held} samples (--eval-fraction {fraction}) in {eval_out}; "
+        print(f"capture: held out {counts.held} samples (--eval-fraction {fraction}) in {eval_out}; "
               f"train with data.eval_hidden_states_path={eval_out}")  # fmt: skip
     return 0

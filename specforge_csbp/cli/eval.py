@@ -51,10 +51,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..data.manifest import write_json_atomic
     from ..eval.metrics import BUCKET_EDGES, parse_bucket_edges
     from ..eval.prompts import jsonl_prompts, store_prompts
     from ..eval.run import EvalOptions, evaluate, plot_tau, summary_line
+    from ..outputs import write_json_atomic
 
     if args.num_prompts is not None and args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1; got {args.num_prompts}")

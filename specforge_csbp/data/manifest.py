@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -28,8 +27,6 @@ __all__ = [
     "StoreManifest",
     "TargetInfo",
     "config_hash",
-    "file_sha256",
-    "write_json_atomic",
 ]
 
 FORMAT = "specforge-csbp-feature-store/1"
@@ -107,22 +104,3 @@ def config_hash(config: Any) -> str:
     data = {k: v for k, v in data.items() if k not in _VOLATILE_CONFIG_KEYS}
     blob = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str).encode()
     return hashlib.sha256(blob).hexdigest()
-
-
-def file_sha256(path: str, chunk_bytes: int = 1 << 24) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def write_json_atomic(path: str, data: dict) -> None:
-    """Write JSON to a temporary file in the same directory, fsync, then rename over `path`."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

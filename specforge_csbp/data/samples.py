@@ -18,12 +18,13 @@ are supervised - the same span SpecForge's template regexes select.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from .. import errors
 
 __all__ = ["has_consecutive_supervised", "read_jsonl", "sample_id_of", "tokenize_sample"]
 
@@ -33,15 +34,7 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 def read_jsonl(path: str, field: str = "data") -> Iterator[tuple[int, dict]]:
     """(line_number, record) for every non-empty line (0-based); a bad line - not UTF-8, not JSON, not an
     object - is a one-line ValueError naming the file and the line."""
-    from ..errors import read_lines
-
-    for n, line in read_lines(path, field):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{field}: line {n} of {path} is not valid JSON ({err.msg})") from None
+    for n, record in errors.read_jsonl(path, field):
         if not isinstance(record, dict):
             raise ValueError(f"{field}: line {n} of {path} must be a JSON object")
         yield n - 1, record

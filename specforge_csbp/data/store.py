@@ -40,14 +40,13 @@ from pydantic import ValidationError
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from ..outputs import file_sha256, write_json_atomic
 from .manifest import (
     FORMAT,
     MANIFEST_NAME,
     SampleEntry,
     StoreManifest,
     TargetInfo,
-    file_sha256,
-    write_json_atomic,
 )
 
 __all__ = ["VERIFY_MODES", "FeatureStore", "FeatureStoreWriter", "check_out_dir"]

@@ -41,6 +41,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..outputs import write_json_atomic
+
 __all__ = [
     "HANG_EXIT_CODE",
     "RankFailure",
@@ -242,10 +244,7 @@ def _exit_hung(err_file: str | None, rank: int):
 
 # -- spawn ---------------------------------------------------------------------------------------------------
 def _write(path: str, **record: Any) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(record, f)
-    os.replace(tmp, path)
+    write_json_atomic(path, record, indent=None)
 
 
 def _die_with_parent() -> None:

@@ -13,11 +13,13 @@ samples: a store directory `STORE/<split>/` of its own, samples whose manifest e
 
 from __future__ import annotations
 
-import json
+import functools
 import os
 from collections.abc import Mapping
 
 import torch
+
+from ..errors import read_jsonl
 
 __all__ = ["jsonl_prompts", "store_prompts"]
 
@@ -40,42 +42,31 @@ def _ids(encoded) -> list[int]:
     return [int(t) for t in encoded]
 
 
+def _record_ids(record, where: str, tokenizer_of) -> list[int]:
+    """Token ids of one prompt record (input_ids as is; text / messages through the target's tokenizer)."""
+    if isinstance(record, dict) and "input_ids" in record:
+        return [int(t) for t in record["input_ids"]]
+    if not (isinstance(record, dict) and ("text" in record or "messages" in record)):
+        raise ValueError(f"--prompts: {where} needs one of the fields input_ids, text, messages")
+    tokenizer = tokenizer_of()
+    if "text" in record:
+        return _ids(tokenizer(str(record["text"]))["input_ids"])
+    messages = list(record["messages"])
+    while messages and messages[-1].get("role") == "assistant":
+        messages.pop()
+    return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+
+
 def jsonl_prompts(path: str, target: str, limit: int | None = None) -> list[torch.Tensor]:
-    if not os.path.isfile(path):
-        raise ValueError(f"--prompts: {path} does not exist")
     prompts: list[torch.Tensor] = []
-    tokenizer = None
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if limit is not None and len(prompts) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"--prompts: {path}:{line_no} is not JSON ({err.msg})") from None
-            if isinstance(record, dict) and "input_ids" in record:
-                ids = [int(t) for t in record["input_ids"]]
-            elif isinstance(record, dict) and ("text" in record or "messages" in record):
-                tokenizer = tokenizer or _tokenizer(target)
-                if "text" in record:
-                    ids = _ids(tokenizer(str(record["text"]))["input_ids"])
-                else:
-                    messages = list(record["messages"])
-                    while messages and messages[-1].get("role") == "assistant":
-                        messages.pop()
-                    encoded = tokenizer.apply_chat_template(
-                        messages, add_generation_prompt=True, tokenize=True
-                    )
-                    ids = _ids(encoded)
-            else:
-                raise ValueError(
-                    f"--prompts: {path}:{line_no} needs one of the fields input_ids, text, messages"
-                )
-            if not ids:
-                raise ValueError(f"--prompts: {path}:{line_no} is an empty prompt")
-            prompts.append(torch.tensor(ids, dtype=torch.long))
+    tokenizer_of = functools.cache(lambda: _tokenizer(target))  # loaded on the first text / chat record
+    for line_no, record in read_jsonl(path, "--prompts"):  # missing, a directory, not UTF-8 or JSON: one line
+        if limit is not None and len(prompts) >= limit:
+            break
+        ids = _record_ids(record, f"{path}:{line_no}", tokenizer_of)
+        if not ids:
+            raise ValueError(f"--prompts: {path}:{line_no} is an empty prompt")
+        prompts.append(torch.tensor(ids, dtype=torch.long))
     if not prompts:
         raise ValueError(f"--prompts: {path} has no records")
     return prompts

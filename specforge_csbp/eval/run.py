@@ -176,9 +176,9 @@ def _bucket_name(b: dict[str, Any]) -> str:
 
 def plot_tau(results_or_summary: dict[str, Any], path: str) -> None:
     """PNG: tau per context-position bucket (bars) and per finer bin of the verify steps (line)."""
-    from ..bench.plots import _pyplot
+    from ..outputs import pyplot, save_figure_atomic
 
-    plt = _pyplot()
+    plt = pyplot()
     summary = results_or_summary
     fig, ax = plt.subplots(figsize=(7, 4))
     bins = summary.get("position_bins") or []
@@ -205,7 +205,4 @@ def plot_tau(results_or_summary: dict[str, Any], path: str) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    tmp = f"{path}.tmp-{os.getpid()}.png"
-    fig.savefig(tmp, dpi=110, metadata={"Software": None})
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure_atomic(fig, path)

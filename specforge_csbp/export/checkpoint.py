@@ -14,7 +14,6 @@ target model - is refused in one line that says what it is.
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -22,7 +21,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["DrafterCheckpoint", "load_checkpoint", "load_drafter_state", "resolve_source", "sha256_file"]
+from ..errors import load_json
+
+__all__ = ["DrafterCheckpoint", "load_checkpoint", "load_drafter_state", "resolve_source"]
 
 STATE_FILE = "training_state.pt"
 _PLUGIN_STRATEGIES = ("dflash-csbp", "dflash2-csbp", "dflash2")
@@ -43,14 +44,6 @@ class DrafterCheckpoint:
     @property
     def architecture(self) -> str:
         return self.config.architecture
-
-
-def sha256_file(path: str, chunk: int = 1 << 24) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _latest_specforge_state(root: str) -> str | None:
@@ -129,12 +122,11 @@ def _load_specforge(path: str) -> DrafterCheckpoint:
 def _load_pretrained(path: str) -> DrafterCheckpoint:
     from safetensors.torch import load_file
 
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-        config = _config_from_dict(json.load(f), os.path.join(path, "config.json"))
+    config_path = os.path.join(path, "config.json")
+    config = _config_from_dict(load_json(config_path, "CHECKPOINT"), config_path)
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        files = sorted(set(load_json(index, "CHECKPOINT")["weight_map"].values()))
         state: dict[str, torch.Tensor] = {}
         for name in files:
             state.update(load_file(os.path.join(path, name)))

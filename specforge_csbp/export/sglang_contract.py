@@ -52,6 +52,55 @@ def _int(value: Any, name: str, minimum: int) -> int:
     return value
 
 
+def _target_layer_ids(config: Mapping[str, Any], dflash: Mapping[str, Any]) -> list[int]:
+    """target_layer_ids (dflash_config first, then the top level): non-empty ints within num_target_layers."""
+    n_target = dflash.get("num_target_layers", config.get("num_target_layers"))
+    ids = dflash.get("target_layer_ids", config.get("target_layer_ids"))
+    if not isinstance(ids, list) or not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise ValueError(
+            f"config.json: dflash_config.target_layer_ids must be a non-empty list of ints; got {ids!r}"
+        )
+    if n_target is not None:
+        n_target = _int(n_target, "num_target_layers", 1)
+        bad = [i for i in ids if not 0 <= i < n_target]
+        if bad:
+            raise ValueError(
+                f"config.json: dflash_config.target_layer_ids {bad} out of range for num_target_layers={n_target}"
+            )
+    return ids
+
+
+def _dflash2_fields(config: Mapping[str, Any], dflash: Mapping[str, Any], arch: str) -> tuple[int, int, int, int]:
+    """(conv_kernel_size, conv_group_size, selector_rank, hidden_size); conv and selector from dflash_config
+    only, 0 when off: each pair set together, the selector required by DFlash2DraftModel, the conv groups
+    dividing hidden_size."""
+    conv_k, conv_g = dflash.get("conv_kernel_size", 0) or 0, dflash.get("conv_group_size", 0) or 0
+    rank, top_k = dflash.get("selector_rank", 0) or 0, dflash.get("selector_top_k", 0) or 0
+    for name, v in (
+        ("conv_kernel_size", conv_k),
+        ("conv_group_size", conv_g),
+        ("selector_rank", rank),
+        ("selector_top_k", top_k),
+    ):
+        _int(v, f"dflash_config.{name}", 0)
+    if bool(conv_k) != bool(conv_g):
+        raise ValueError(
+            "config.json: dflash_config.conv_kernel_size and conv_group_size must be set together"
+        )
+    if bool(rank) != bool(top_k):
+        raise ValueError("config.json: dflash_config.selector_rank and selector_top_k must be set together")
+    if arch == "DFlash2DraftModel" and not rank:
+        raise ValueError(
+            "config.json: DFlash2DraftModel requires dflash_config.selector_rank / selector_top_k"
+        )
+    hidden = _int(config.get("hidden_size"), "hidden_size", 1)
+    if conv_g and hidden % conv_g:
+        raise ValueError(
+            f"config.json: dflash_config.conv_group_size={conv_g} must divide hidden_size={hidden}"
+        )
+    return conv_k, conv_g, rank, hidden
+
+
 def check_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """Validate config.json the way SGLang parses it; return the resolved fields."""
     archs = config.get("architectures")
@@ -68,51 +117,12 @@ def check_config(config: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(dflash, dict):
         raise ValueError("config.json: dflash_config must be a mapping")  # noqa: TRY004
     layers = _int(config.get("num_hidden_layers"), "num_hidden_layers", 1)
-    n_target = dflash.get("num_target_layers", config.get("num_target_layers"))
-    ids = dflash.get("target_layer_ids", config.get("target_layer_ids"))
-    if (
-        not isinstance(ids, list)
-        or not ids
-        or any(isinstance(i, bool) or not isinstance(i, int) for i in ids)
-    ):
-        raise ValueError(
-            f"config.json: dflash_config.target_layer_ids must be a non-empty list of ints; got {ids!r}"
-        )
-    if n_target is not None:
-        n_target = _int(n_target, "num_target_layers", 1)
-        bad = [i for i in ids if not 0 <= i < n_target]
-        if bad:
-            raise ValueError(
-                f"config.json: dflash_config.target_layer_ids {bad} out of range for num_target_layers={n_target}"
-            )
+    ids = _target_layer_ids(config, dflash)
     block = dflash.get("block_size", config.get("block_size", 16))
     block = _int(block, "dflash_config.block_size", 1)
     mask = dflash.get("mask_token_id")
     mask = _int(mask, "dflash_config.mask_token_id", 0)
-    conv_k, conv_g = dflash.get("conv_kernel_size", 0) or 0, dflash.get("conv_group_size", 0) or 0
-    rank, top_k = dflash.get("selector_rank", 0) or 0, dflash.get("selector_top_k", 0) or 0
-    for name, v in (
-        ("conv_kernel_size", conv_k),
-        ("conv_group_size", conv_g),
-        ("selector_rank", rank),
-        ("selector_top_k", top_k),
-    ):
-        _int(v, f"dflash_config.{name}", 0)
-    if bool(conv_k) != bool(conv_g):
-        raise ValueError(
-            "config.json: dflash_config.conv_kernel_size and conv_group_size must be set together"
-        )
-    if bool(rank) != bool(top_k):
-        raise ValueError("config.json: dflash_config.selector_rank and selector_top_k must be set together")
-    if archs[0] == "DFlash2DraftModel" and not rank:
-        raise ValueError(
-            "config.json: DFlash2DraftModel requires dflash_config.selector_rank / selector_top_k"
-        )
-    hidden = _int(config.get("hidden_size"), "hidden_size", 1)
-    if conv_g and hidden % conv_g:
-        raise ValueError(
-            f"config.json: dflash_config.conv_group_size={conv_g} must divide hidden_size={hidden}"
-        )
+    conv_k, conv_g, rank, hidden = _dflash2_fields(config, dflash, archs[0])
     types = config.get("layer_types") or ["full_attention"] * layers
     if len(types) != layers or any(t not in ("full_attention", "sliding_attention") for t in types):
         raise ValueError(

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import dataclass
 
 import torch
 
-from .checkpoint import DrafterCheckpoint, load_checkpoint, sha256_file
+from ..errors import load_json
+from ..outputs import file_sha256, staged_dir
+from .checkpoint import DrafterCheckpoint, load_checkpoint
 
 __all__ = [
     "EXPORT_FORMAT", "SGLANG_FLOORS", "TARGETS", "VLLM_FLOORS", "ExportResult", "export_drafter", "load_exported",
@@ -106,8 +107,7 @@ def target_dtype(target: str | None) -> str | None:
     path = os.path.join(target, "config.json") if target else ""
     if not path or not os.path.isfile(path):
         return None
-    with open(path, encoding="utf-8") as f:
-        config = json.load(f)
+    config = load_json(path, "--target")  # not UTF-8 or not JSON: one line naming the file and the line
     for where in (config, config.get("text_config") or {}):
         value = where.get("dtype") or where.get("torch_dtype")
         if value is not None:
@@ -157,11 +157,8 @@ def export_drafter(
         dtype_source = "checkpoint (no target config named)"
     model = _model(ckpt, getattr(torch, dtype_name))
 
-    tmp = f"{out.rstrip('/')}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        contracts: dict[str, str] = {}
+    contracts: dict[str, str] = {}
+    with staged_dir(out) as tmp:
         if to == "hf":
             model.save_pretrained(tmp, safe_serialization=True)
             with open(os.path.join(tmp, "config.json"), encoding="utf-8") as f:
@@ -181,10 +178,10 @@ def export_drafter(
                 json.dump(config, f, indent=2, sort_keys=True)
                 f.write("\n")
             save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        files = {n: sha256_file(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))}
+        files = {n: file_sha256(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))}
         provenance = {
             "format": EXPORT_FORMAT, "exporter": f"specforge-csbp {__version__}", "to": to,
-            "source": {"path": os.path.abspath(ckpt.source), "sha256": sha256_file(ckpt.source),
+            "source": {"path": os.path.abspath(ckpt.source), "sha256": file_sha256(ckpt.source),
                        "kind": ckpt.kind, "strategy": ckpt.strategy, "global_step": ckpt.global_step,
                        **ckpt.extra},
             "architecture": ckpt.architecture, "dtype": dtype_name, "dtype_source": dtype_source,
@@ -196,12 +193,6 @@ def export_drafter(
         with open(os.path.join(tmp, PROVENANCE), "w", encoding="utf-8") as f:
             json.dump(provenance, f, indent=2, sort_keys=True, default=str)
             f.write("\n")
-        if os.path.isdir(out):
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return ExportResult(
         out, ckpt.architecture, int(model.block_size), len(model.state_dict()), contracts.get(to), dtype_name,
         dtype_source, config, tuple(contracts),

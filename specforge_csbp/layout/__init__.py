@@ -5,9 +5,9 @@ rank can compute every other rank's layout without asking it.
 """
 
 from .assignment import Assignment, assign_dual_end, assign_near_home
-from .plans import MODES, ShardPlan, bdlm_plan, check_bdlm_shape
+from .plans import MODES, ShardPlan, bdlm_plan, check_bdlm_shape, check_mode
 from .tokens import CLEAN, NOISY, PAD, TokenSet
-from .zigzag import ZigzagShards
+from .zigzag import ZigzagShards, check_block_shape
 
 __all__ = [
     "CLEAN",
@@ -22,4 +22,6 @@ __all__ = [
     "assign_near_home",
     "bdlm_plan",
     "check_bdlm_shape",
+    "check_block_shape",
+    "check_mode",
 ]

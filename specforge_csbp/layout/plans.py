@@ -19,13 +19,14 @@ Corrupted blocks are owned whole (dual-end, `assignment.py`); clean shards are z
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .assignment import Assignment, assign_dual_end
 from .tokens import CLEAN, NOISY, TokenSet
-from .zigzag import ZigzagShards
+from .zigzag import ZigzagShards, check_block_shape
 
 __all__ = [
     "MODES",
@@ -34,6 +35,7 @@ __all__ = [
     "block_assignment",
     "build_plans",
     "check_bdlm_shape",
+    "check_mode",
     "clean_keys_needed_elsewhere",
 ]
 
@@ -120,16 +122,16 @@ def build_plans(
     return plans
 
 
+def check_mode(mode: str, allowed: Sequence[str] = MODES) -> None:
+    """The one error for an unknown mode: the BDLM modes by default, or a caller's own (drafter, planner)."""
+    if mode not in allowed:
+        raise ValueError(f"mode must be one of {', '.join(allowed)}; got {mode!r}")
+
+
 def check_bdlm_shape(mode: str, seq_len: int, block_size: int, world_size: int) -> None:
     """One-line errors for shapes no mode can run."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if seq_len < 1 or seq_len % block_size:
-        raise ValueError(f"seq_len must be a positive multiple of block_size={block_size}, got {seq_len}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    check_mode(mode)
+    check_block_shape(seq_len, block_size, world_size)
     if mode == "reference" and world_size != 1:
         raise ValueError(f"mode 'reference' runs on world_size 1, got {world_size}")
     blocks = seq_len // block_size

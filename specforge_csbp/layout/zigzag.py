@@ -18,7 +18,17 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ZigzagShards"]
+__all__ = ["ZigzagShards", "check_block_shape"]
+
+
+def check_block_shape(seq_len: int, block_size: int, world_size: int) -> None:
+    """One-line errors for a sequence no layout can cut: whole blocks of >= 1 token, >= 1 rank."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if seq_len < 1 or seq_len % block_size:
+        raise ValueError(f"seq_len must be a positive multiple of block_size={block_size}, got {seq_len}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
 
 
 @dataclass(frozen=True)
@@ -28,14 +38,7 @@ class ZigzagShards:
     world_size: int
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
-        if self.seq_len < 1 or self.seq_len % self.block_size:
-            raise ValueError(
-                f"seq_len must be a positive multiple of block_size={self.block_size}, got {self.seq_len}"
-            )
+        check_block_shape(self.seq_len, self.block_size, self.world_size)
 
     @property
     def num_blocks(self) -> int:

@@ -1,11 +1,10 @@
 """The cross-entropy arithmetic on one chunk of logits, eager or compiled into one or two passes.
 
 A chunked linear CE (linear_ce_topk.py) spends its GEMMs' time well; what it does with each [rows, vocab]
-chunk between them was a string of full passes over the chunk - an fp32 copy, logsumexp's reductions, a
-radix-select top-1, and in backward exp, subtract, scale, scatter and a cast back. On the 1-GPU DFlash step
-(64K context, vocab 248320, H200) those passes took ~66 ms of a 406 ms step
-(benchmarks/logs/drafter_h200x2_2026-11-30_e.log). Compiled, each direction reads the chunk once or twice
-in the GEMM's dtype and writes the gradient once:
+chunk between them is, run eagerly, a string of full passes over the chunk - an fp32 copy, logsumexp's
+reductions, a radix-select top-1, and in backward exp, subtract, scale, scatter and a cast back: a sizeable
+share of a one-GPU DFlash step at a large vocabulary (docs/performance.md). Compiled, each direction reads
+the chunk once or twice in the GEMM's dtype and writes the gradient once:
 
     forward   raw [n, V] (GEMM dtype)  ->  lse [n], z[y] [n], (max [n], argmax [n])     math in fp32 / fp64
     backward  raw, lse, g, y           ->  dz = g * (softmax(z) - onehot(y))             in the dtype asked

@@ -20,24 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .noise import IGNORE_INDEX, BDLMBatch, check_noise_args, check_tokens, draw_token_masks
+from .noise import IGNORE_INDEX, BDLMBatch, MaskedObjective
 
 __all__ = ["ConvertObjective"]
 
 
 @dataclass(frozen=True)
-class ConvertObjective:
-    block_size: int
-    mask_token_id: int
-    vocab_size: int
-    eps: float = 1e-3
+class ConvertObjective(MaskedObjective):
     noise: str = "uniform"
-
-    def __post_init__(self) -> None:
-        check_noise_args(
-            block_size=self.block_size, mask_token_id=self.mask_token_id, vocab_size=self.vocab_size,
-            eps=self.eps, noise=self.noise,
-        )  # fmt: skip
 
     @property
     def batch_factor(self) -> int:
@@ -47,12 +37,7 @@ class ConvertObjective:
         self, input_ids: torch.Tensor, loss_mask: torch.Tensor | None, seeds: Sequence[int]
     ) -> BDLMBatch:
         """Clean tokens [N, L] -> the 2L batch of 2N sequences (views A, B of sequence i at rows 2i, 2i+1)."""
-        eligible = check_tokens(
-            input_ids, loss_mask, seeds, block_size=self.block_size, vocab_size=self.vocab_size
-        )
-        x0 = input_ids.cpu().long()
-        eligible = eligible.cpu()
-        _, drawn = draw_token_masks(seeds, x0.shape[1], self.block_size, eps=self.eps, schedule=self.noise)
+        x0, eligible, _, drawn = self.draw(input_ids, loss_mask, seeds)
         views = torch.stack([drawn & eligible, ~drawn & eligible], 1).flatten(0, 1)  # [2N, L]
         clean = x0.repeat_interleave(2, 0)
         noisy = clean.masked_fill(views, self.mask_token_id)

@@ -11,6 +11,9 @@ Per block b a noise level t_b in [eps, 1]; each eligible token of block b is mas
     x0          a b c d   e f g h   i j k l   m n o p
     xt          M M c M   e f g h   i M M l   m n M p      (M = mask token)
 
+`MaskedObjective` is what SFT (sft.py) and AR -> BDLM conversion (convert.py) share: the fields, their
+checks, and the validated draw of one batch; each objective only turns the draw into its 2L batch.
+
 `BDLMBatch` holds the whole 2L layout (clean row p, corrupted row L + p) with per-row labels, loss weights
 and denominator counts; `shard(plan)` keeps one rank's rows; `loss_numerator` runs the chunked linear CE
 over the supervised rows only.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -30,6 +34,8 @@ __all__ = [
     "IGNORE_INDEX",
     "NOISE_SCHEDULES",
     "BDLMBatch",
+    "MaskedObjective",
+    "NoiseDraw",
     "block_noise_levels",
     "check_noise_args",
     "check_tokens",
@@ -117,6 +123,39 @@ def check_tokens(
     if len(seeds) != n:
         raise ValueError(f"seeds: need one per sequence ({n}); got {len(seeds)}")
     return torch.ones_like(input_ids, dtype=torch.bool) if loss_mask is None else loss_mask.to(torch.bool)
+
+
+class NoiseDraw(NamedTuple):
+    """One validated batch and its noise, all on the CPU, each [N, L]."""
+
+    x0: torch.Tensor  # clean token ids (int64)
+    eligible: torch.Tensor  # bool: the token may be masked and supervised (loss_mask)
+    levels: torch.Tensor  # float64: the noise level t of the token's block
+    drawn: torch.Tensor  # bool: the draw masks this token (before eligibility is applied)
+
+
+@dataclass(frozen=True)
+class MaskedObjective:
+    """The fields, checks and noise draw every BDLM objective shares; subclasses build the 2L batch."""
+
+    block_size: int
+    mask_token_id: int
+    vocab_size: int
+    eps: float = 1e-3
+    noise: str = "stratified"
+
+    def __post_init__(self) -> None:
+        check_noise_args(
+            block_size=self.block_size, mask_token_id=self.mask_token_id, vocab_size=self.vocab_size,
+            eps=self.eps, noise=self.noise,
+        )  # fmt: skip
+
+    def draw(self, input_ids: torch.Tensor, loss_mask: torch.Tensor | None, seeds: Sequence[int]) -> NoiseDraw:
+        """Validate clean tokens [N, L] (+ eligibility [N, L], one seed per sequence) and draw their noise."""
+        eligible = check_tokens(input_ids, loss_mask, seeds, block_size=self.block_size, vocab_size=self.vocab_size)
+        x0 = input_ids.cpu().long()
+        levels, drawn = draw_token_masks(seeds, x0.shape[1], self.block_size, eps=self.eps, schedule=self.noise)
+        return NoiseDraw(x0, eligible.cpu(), levels, drawn)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .noise import IGNORE_INDEX, BDLMBatch, check_noise_args, check_tokens, draw_token_masks
+from .noise import IGNORE_INDEX, BDLMBatch, MaskedObjective
 
 __all__ = ["DENOMINATORS", "WEIGHTINGS", "SFTObjective"]
 
@@ -30,20 +30,12 @@ DENOMINATORS = ("eligible", "masked")
 
 
 @dataclass(frozen=True)
-class SFTObjective:
-    block_size: int
-    mask_token_id: int
-    vocab_size: int
-    eps: float = 1e-3
-    noise: str = "stratified"
+class SFTObjective(MaskedObjective):
     weighting: str = "inv_t"
     denominator: str = "eligible"
 
     def __post_init__(self) -> None:
-        check_noise_args(
-            block_size=self.block_size, mask_token_id=self.mask_token_id, vocab_size=self.vocab_size,
-            eps=self.eps, noise=self.noise,
-        )  # fmt: skip
+        super().__post_init__()
         if self.weighting not in WEIGHTINGS:
             raise ValueError(
                 f"objective.weighting must be one of {', '.join(WEIGHTINGS)}; got {self.weighting!r}"
@@ -62,13 +54,8 @@ class SFTObjective:
         self, input_ids: torch.Tensor, loss_mask: torch.Tensor | None, seeds: Sequence[int]
     ) -> BDLMBatch:
         """Clean tokens [N, L] (+ eligibility [N, L]) and one seed per sequence -> the full 2L batch (CPU)."""
-        eligible = check_tokens(
-            input_ids, loss_mask, seeds, block_size=self.block_size, vocab_size=self.vocab_size
-        )
-        x0 = input_ids.cpu().long()
-        eligible = eligible.cpu()
-        levels, masked = draw_token_masks(seeds, x0.shape[1], self.block_size, eps=self.eps, schedule=self.noise)
-        masked &= eligible
+        x0, eligible, levels, drawn = self.draw(input_ids, loss_mask, seeds)
+        masked = drawn & eligible
         xt = x0.masked_fill(masked, self.mask_token_id)
         labels = x0.masked_fill(~masked, IGNORE_INDEX)
         weights = (1.0 / levels if self.weighting == "inv_t" else torch.ones_like(levels)) * masked

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layout.assignment import assign_dual_end, assign_near_home
-from ..layout.plans import ShardPlan, bdlm_plan, check_bdlm_shape
+from ..layout.plans import ShardPlan, bdlm_plan, check_bdlm_shape, check_mode
 from ..layout.tokens import CLEAN, NOISY, TokenSet
 from ..layout.zigzag import ZigzagShards
 from ..masks.visibility import CLEAN_RULES
@@ -215,8 +215,7 @@ def drafter_rank_stats(
               + context zigzag shard; full attention gathers all context K/V, sliding-window layers
               receive only the windows the rank's anchors need
     """
-    if mode not in ("dp", "cp", "bp", "csbp"):
-        raise ValueError(f"mode must be one of dp, cp, bp, csbp; got {mode!r}")
+    check_mode(mode, ("dp", "cp", "bp", "csbp"))
     S = block_size
     if context_len % S:
         raise ValueError(f"context must be a multiple of block_size={S}; got {context_len}")

@@ -165,24 +165,18 @@ class MachineProfile(BaseModel):
 
 def load_profile(name_or_path: str | os.PathLike) -> MachineProfile:
     """A profile JSON file, or a built-in name (BUILTIN_PROFILES)."""
+    from pydantic import ValidationError
+
+    from ..errors import load_json, one_line
+
     if str(name_or_path) in BUILTIN_PROFILES:
-        text = resources.files(__package__).joinpath(f"profiles/{name_or_path}.json").read_text()
+        data = json.loads(resources.files(__package__).joinpath(f"profiles/{name_or_path}.json").read_text())
     else:
         if not Path(name_or_path).exists():
             raise ValueError(
                 f"profile: {name_or_path} is neither a file nor a built-in ({', '.join(BUILTIN_PROFILES)})"
             )
-        from ..errors import read_text
-
-        text = read_text(name_or_path, "profile")
-    from pydantic import ValidationError
-
-    from ..errors import one_line
-
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"profile: {name_or_path}:{err.lineno}:{err.colno} is not valid JSON ({err.msg})") from None
+        data = load_json(name_or_path, "profile")
     try:
         return MachineProfile.model_validate(data)
     except ValidationError as err:

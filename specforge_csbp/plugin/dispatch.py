@@ -6,15 +6,16 @@ when its config (after `training.strategy=...` overrides) names one of the plugi
 `benchmark`, `--help` - goes to SpecForge's own `main` unchanged; `specforge train --help` additionally
 prints the plugin's flags after SpecForge's help.
 
-This module imports only the standard library and PyYAML; the launcher (torch, specforge) loads only when
-the command line is the plugin's.
+This module imports only the standard library, PyYAML and the package's readers (errors.py); the launcher
+(torch, specforge) loads only when the command line is the plugin's.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable, Sequence
+
+from ..errors import load_config
 
 __all__ = ["PLUGIN_FLAGS", "PLUGIN_STRATEGIES", "claims", "dispatch", "strategy_of"]
 
@@ -57,19 +58,11 @@ def strategy_of(args: Sequence[str]) -> str | None:
     if path is None:
         return None
     try:
-        with open(path, encoding="utf-8") as f:
-            if path.endswith((".yaml", ".yml")):
-                import yaml
-
-                raw = yaml.safe_load(f)
-            else:
-                raw = json.load(f)
-        training = raw.get("training") if isinstance(raw, dict) else None
-        return (
-            str(training.get("strategy")) if isinstance(training, dict) and "strategy" in training else None
-        )
-    except Exception:  # noqa: BLE001 - unreadable config: SpecForge reports it in its own words
+        raw = load_config(path, "--config")
+    except ValueError:  # unreadable config: SpecForge reports it in its own words
         return None
+    training = raw.get("training") if isinstance(raw, dict) else None
+    return str(training.get("strategy")) if isinstance(training, dict) and "strategy" in training else None
 
 
 def claims(args: Sequence[str]) -> bool:

@@ -9,17 +9,17 @@ planner's memory model of the run's drafter step.
     the allocator's fragmentation on top)
   = budget  -> keep_logits_gib = budget when this rank's [rows, vocab] logits fit in it, else 0 (recompute)
 
-Kept logits save one [rows, vocab] GEMM per loss chunk (objectives/linear_ce_topk.py; 1 H200, 64K / 512
-anchors, DFlash v1 27B shape: 365.9 ms / 28.9 GiB kept vs 392.7 ms / 40.6 GiB recomputed, separate
-launches). Without a GPU (CPU runs, tests) the choice is 0. An explicit `csbp.keep_logits_gib` (0 turns it
+Kept logits save one [rows, vocab] GEMM per loss chunk (objectives/linear_ce_topk.py) for the memory they
+hold (the measured trade: docs/performance.md, "`csbp.keep_logits_gib` by default"). Without a GPU (CPU runs, tests) the choice is 0. An explicit `csbp.keep_logits_gib` (0 turns it
 off) is never changed.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
+
+from ..errors import load_json
 
 __all__ = ["HEADROOM_GIB", "HEADROOM_SHARE", "KeepLogitsChoice", "choose_keep_logits_gib", "resolve_keep_logits"]
 
@@ -59,8 +59,7 @@ def _draft_config(path: str | None) -> dict:
     if not path:
         raise ValueError("no model.draft_model_config")
     src = path if path.endswith(".json") else os.path.join(path, "config.json")
-    with open(src, encoding="utf-8") as f:
-        return json.load(f)
+    return load_json(src, "model.draft_model_config")
 
 
 def predicted_step(cfg, options, cp_size: int, mode: str) -> tuple[float, float]:

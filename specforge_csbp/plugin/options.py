@@ -141,12 +141,9 @@ def _drop_auto(section: dict) -> None:
 
 
 def _read_raw(path: str) -> dict:
-    from ..errors import load_json, load_yaml
+    from ..errors import load_config
 
-    if os.path.isfile(path) or os.path.isdir(path):
-        raw = (load_yaml if path.endswith((".yaml", ".yml")) else load_json)(path, "--config")
-    else:
-        raise ValueError(f"--config: {path} does not exist")
+    raw = load_config(path, "--config")
     if not isinstance(raw, dict):
         raise ValueError(f"--config: {path} must hold a mapping with model/data/training sections")  # noqa: TRY004
     return raw

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from ..outputs import file_sha256
+
 __all__ = [
     "MANIFEST",
     "checkpoint_step",
@@ -67,8 +69,6 @@ def _files(root: Path) -> dict[str, int]:
 
 
 def _sha256(path: Path) -> str:
-    from ..data.manifest import file_sha256
-
     return file_sha256(str(path))
 
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from ..distributed.launch import free_port, heartbeat, init_from_env, spawn
+from ..outputs import write_text_atomic
 from .checkpoint import load_trainer_state, save_checkpoint
 from .checkpointing import keep_activations, resolve_checkpointing
 from .context import TrainContext, build_context
@@ -164,9 +165,73 @@ def _truncate_log(path: Path, step: int) -> None:
     lines = text.splitlines()
     keep = [line for line in lines if (s := _logged_step(line)) is not None and s <= step]
     if len(keep) != len(lines) or (text and not text.endswith("\n")):
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(f"{line}\n" for line in keep))
-        os.replace(tmp, path)
+        write_text_atomic(path, "".join(f"{line}\n" for line in keep))
+
+
+def _resume(workload: Workload, model, optimizer, scheduler, resume_from: Path, state: dict, device) -> int:
+    """Load the model, optimizer and scheduler of a checkpoint; returns its step (the first step to run)."""
+    heartbeat(f"resume from {resume_from.name}")
+    load_model(workload, model, resume_from)
+    saved = torch.load(resume_from / "optimizer.pt", map_location=device)
+    optimizer.load_state_dict(saved["optimizer"])  # restores the lr of step `start` too
+    scheduler.load_state_dict(saved["scheduler"])
+    return int(state["step"])
+
+
+def _open_log(train: TrainConfig, ctx: TrainContext, start: int):
+    """The main rank's log.jsonl, opened for appending after the lines of steps <= `start` (None elsewhere)."""
+    if not (ctx.is_main and train.output_dir is not None):
+        return None
+    Path(train.output_dir).mkdir(parents=True, exist_ok=True)
+    log_path = Path(train.output_dir) / "log.jsonl"
+    _truncate_log(log_path, start)
+    return open(log_path, "a")  # closed by train()
+
+
+def _timed_step(workload: Workload, model, optimizer, scheduler, ctx: TrainContext, train: TrainConfig,
+                step: int, tokens: float, flops: float | None, peak: float | None) -> dict:  # fmt: skip
+    """One optimizer step, timed between device syncs; its metrics (time and peak memory: max over ranks)."""
+    reset_peak_memory(ctx.device)
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    t0 = time.perf_counter()
+    lr = optimizer.param_groups[0]["lr"]
+    seed_step(train.seed, step)
+    result = train_step(model, optimizer, workload, ctx, step, grad_clip=train.grad_clip)
+    scheduler.step()
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    seconds, peak_mem = _max_over_ranks(time.perf_counter() - t0, peak_memory_gib(ctx.device), ctx.device)
+    return {
+        "step": step + 1,
+        "loss": result.loss,
+        "lr": lr,
+        "grad_norm": result.grad_norm,
+        "denominator": result.denominator,
+        "step_s": seconds,
+        "tokens_per_s": tokens / seconds,
+        "mfu": None if flops is None or peak is None else flops / seconds / (ctx.world_size * peak * 1e12),
+        "peak_mem_gib": peak_mem,
+    }
+
+
+def _report(metrics: dict, train: TrainConfig, bar, log_file) -> None:
+    """Main rank: advance the bar, print every `log_every` steps (and the last), append to log.jsonl."""
+    step = metrics["step"]
+    bar.update(1)
+    if step % train.log_every == 0 or step == train.steps:
+        line = format_step(step, train.steps, metrics)
+        bar.write(line) if train.progress else print(line, flush=True)
+    if log_file is not None:
+        log_file.write(json.dumps(metrics) + "\n")
+        log_file.flush()
+
+
+def _checkpoint_due(train: TrainConfig, step: int) -> bool:
+    """After `step` steps: the last step, or every `save_every` (only with an output directory)."""
+    if train.output_dir is None:
+        return False
+    return step == train.steps or bool(train.save_every and step % train.save_every == 0)
 
 
 def train(
@@ -182,74 +247,27 @@ def train(
         check_resume(state, resume_from, ctx, train)
     heartbeat("build model")
     model, optimizer, scheduler = _build(workload, ctx, train)
-    start = 0
-    if state is not None:
-        heartbeat(f"resume from {resume_from.name}")
-        load_model(workload, model, resume_from)
-        saved = torch.load(resume_from / "optimizer.pt", map_location=ctx.device)
-        optimizer.load_state_dict(saved["optimizer"])  # restores the lr of step `start` too
-        scheduler.load_state_dict(saved["scheduler"])
-        start = int(state["step"])
+    start = 0 if state is None else _resume(workload, model, optimizer, scheduler, resume_from, state, ctx.device)
     tokens = workload.tokens_per_step(ctx)
     flops = workload.flops_per_step(ctx)
     peak = peak_device_tflops(ctx.device, train.peak_tflops)
     history: list[dict] = []
     bar = tqdm(total=train.steps, initial=start, disable=not (ctx.is_main and train.progress), desc="train")
-    log_file = None
-    if ctx.is_main and train.output_dir is not None:
-        Path(train.output_dir).mkdir(parents=True, exist_ok=True)
-        log_path = Path(train.output_dir) / "log.jsonl"
-        _truncate_log(log_path, start)
-        log_file = open(log_path, "a")
+    log_file = _open_log(train, ctx, start)
     try:
         for step in range(start, train.steps):
-            reset_peak_memory(ctx.device)
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize(ctx.device)
-            t0 = time.perf_counter()
-            lr = optimizer.param_groups[0]["lr"]
-            seed_step(train.seed, step)
-            result = train_step(model, optimizer, workload, ctx, step, grad_clip=train.grad_clip)
-            scheduler.step()
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize(ctx.device)
-            seconds, peak_mem = _max_over_ranks(time.perf_counter() - t0, peak_memory_gib(ctx.device), ctx.device)
-            metrics = {
-                "step": step + 1,
-                "loss": result.loss,
-                "lr": lr,
-                "grad_norm": result.grad_norm,
-                "denominator": result.denominator,
-                "step_s": seconds,
-                "tokens_per_s": tokens / seconds,
-                "mfu": None
-                if flops is None or peak is None
-                else flops / seconds / (ctx.world_size * peak * 1e12),
-                "peak_mem_gib": peak_mem,
-            }
+            metrics = _timed_step(workload, model, optimizer, scheduler, ctx, train, step, tokens, flops, peak)
             history.append(metrics)
             if ctx.is_main:
-                bar.update(1)
-                if (step + 1) % train.log_every == 0 or step + 1 == train.steps:
-                    line = format_step(step + 1, train.steps, metrics)
-                    bar.write(line) if train.progress else print(line, flush=True)
-                if log_file is not None:
-                    log_file.write(json.dumps(metrics) + "\n")
-                    log_file.flush()
-            last = step + 1 == train.steps
-            if train.output_dir is not None and (
-                last or (train.save_every and (step + 1) % train.save_every == 0)
-            ):
+                _report(metrics, train, bar, log_file)
+            if _checkpoint_due(train, step + 1):
                 heartbeat(f"step {step + 1}: checkpoint")
                 if ctx.is_main:
                     save_checkpoint(
                         train.output_dir,
                         step + 1,
                         write_model=lambda p: save_model(workload, model, p),
-                        optimizer_state={
-                            "optimizer": optimizer.state_dict(),
-                            "scheduler": scheduler.state_dict(),
-                        },
+                        optimizer_state={"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
                         trainer_state={"step": step + 1, "layout": run_layout(ctx), "recipe": recipe or {}},
                         keep=train.keep_checkpoints,
                     )

@@ -9,13 +9,13 @@ written), so every rank of a CP group builds the same clean batch and any DP spl
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
+from ...errors import read_jsonl
 from ...objectives.noise import sequence_seed
 
 __all__ = ["JsonlSource", "SyntheticSource", "TokenSource"]
@@ -55,17 +55,12 @@ class SyntheticSource:
 class JsonlSource:
     def __init__(self, path: str | Path, *, seq_len: int, pad_token_id: int, vocab_size: int):
         self.records: list[tuple[list[int], list[int]]] = []
-        from ...errors import read_lines
-
-        for n, line in read_lines(path, "data.path"):  # not UTF-8: one line naming file and line
-            if not line.strip():
-                continue
+        for n, item in read_jsonl(path, "data.path"):  # not UTF-8 or not JSON: one line naming file and line
             try:
-                item = json.loads(line)
                 ids, mask = item["input_ids"], item.get("loss_mask", [1] * len(item["input_ids"]))
                 if not isinstance(ids, list) or not isinstance(mask, list):
                     raise TypeError("input_ids and loss_mask must be lists")
-            except (ValueError, KeyError, TypeError) as err:
+            except (KeyError, TypeError, AttributeError) as err:
                 raise ValueError(f"data.path: {path}:{n} needs an input_ids list ({err})") from None
             if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):  # 3.7 would become 3 silently
                 raise ValueError(f"data.path: {path}:{n} input_ids must be integers; got {ids[:8]}")

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from ...attention import merge_partials
 from ...distributed.collectives import COMM_STATS, CommStats, all_gather_rows
 from ...layout import CLEAN, NOISY, ShardPlan, TokenSet, ZigzagShards, assign_dual_end, assign_near_home
-from ...layout.plans import build_plans
+from ...layout.plans import build_plans, check_mode
 from ...parallel.sharded_attention import ShardedAttention
 from .configuration import DFlashConfig
 from .modeling import LayerAttention
@@ -239,8 +239,7 @@ def drafter_plans(
     bucket: int = 1,
 ) -> list[DrafterPlan]:
     """Every rank's plan for one sequence (pure: each rank computes all and keeps its own)."""
-    if mode not in DRAFTER_MODES:
-        raise ValueError(f"mode must be one of {', '.join(DRAFTER_MODES)}; got {mode!r}")
+    check_mode(mode, DRAFTER_MODES)
     if mode in ("reference", "dp") and world_size != 1:
         raise ValueError(f"mode {mode!r} plans one sequence on one rank (world_size 1); got {world_size}")
     if bucket < 1:

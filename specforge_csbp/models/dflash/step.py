@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ...distributed.collectives import COMM_STATS, CommStats
+from ...layout.plans import check_mode
 from ...objectives.dflash import (
     BlockTargets,
     DFlashObjective,
@@ -147,8 +148,7 @@ def prepare_step(
 ) -> Work:
     """The device-free part of a step (anchors, plans, block targets) - pure, so it can run ahead of time,
     e.g. in a thread while the previous step runs on the GPU."""
-    if mode not in DRAFTER_MODES:
-        raise ValueError(f"mode must be one of {', '.join(DRAFTER_MODES)}; got {mode!r}")
+    check_mode(mode, DRAFTER_MODES)
     world, rank = _world(mode, group)
     work: Work = []
     for i, sample in enumerate(samples):
@@ -316,8 +316,7 @@ def drafter_step(
     masks built and its indices staged on the device ahead too), if computed ahead of time. Indices not
     staged ahead are copied here, once each (`stage_indices`). `gather_ahead` (default on): CSBP layers
     start their context K/V gather one layer early (`LayerAttention.gather_ahead`); same result, other overlap."""
-    if mode not in DRAFTER_MODES:
-        raise ValueError(f"mode must be one of {', '.join(DRAFTER_MODES)}; got {mode!r}")
+    check_mode(mode, DRAFTER_MODES)
     if not samples:
         raise ValueError("samples: a step needs at least one sequence")
     world, _ = _world(mode, group)

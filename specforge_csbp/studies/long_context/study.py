@@ -28,6 +28,8 @@ import subprocess
 import sys
 from dataclasses import dataclass, replace
 
+from ...outputs import write_json_atomic, write_text_atomic
+
 __all__ = ["SCALES", "STAGES", "Scale", "run_stage"]
 
 K = 1024
@@ -129,11 +131,7 @@ def _call(run: str, argv: list[str], env: dict | None = None, *, in_process: boo
 
 
 def _write_jsonl(path: str, rows: list[dict]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def _commands(run: str) -> dict:
@@ -142,8 +140,6 @@ def _commands(run: str) -> dict:
 
 
 def _note_command(run: str, key: str, cmd: str) -> None:
-    from ...data.manifest import write_json_atomic
-
     cmds = _commands(run)
     cmds[key] = cmd
     write_json_atomic(os.path.join(run, "commands.json"), cmds)
@@ -153,7 +149,6 @@ def _note_command(run: str, key: str, cmd: str) -> None:
 def stage_target(run: str, scale: Scale, seed: int) -> None:
     from transformers import AutoModelForCausalLM
 
-    from ...data.manifest import write_json_atomic
     from .target import HELD_OUT_BASE, accuracy_by_distance, train_target
 
     done = train_target(run, scale.target, doc_spec(scale, scale.long_len, seed), device=scale.device,
@@ -192,7 +187,6 @@ def drafter_config(scale: Scale) -> dict:
 
 
 def stage_capture(run: str, scale: Scale, seed: int) -> None:
-    from ...data.manifest import write_json_atomic
     from .documents import eval_prompts, make_document
     from .target import HELD_OUT_BASE
 
@@ -333,9 +327,9 @@ def study_records(run: str, scale: Scale, device: str) -> list[dict]:
 
 def plot_study(records: list[dict], path: str) -> None:
     """Left: tau per context-position bucket, one line per drafter. Right: the target's accuracy by distance."""
-    from ...bench.plots import _pyplot
+    from ...outputs import pyplot, save_figure_atomic
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for kind, color in (("short", "tab:orange"), ("long", "tab:blue")):
         rows = [r for r in records if r.get("metric") == "tau" and r["drafter"] == kind and r["tau"] is not None]
@@ -363,10 +357,7 @@ def plot_study(records: list[dict], path: str) -> None:
     ax2.grid(True, alpha=0.3)
     ax2.legend(fontsize=8)
     fig.tight_layout()
-    tmp = f"{path}.tmp-{os.getpid()}.png"
-    fig.savefig(tmp, dpi=110, metadata={"Software": None})
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure_atomic(fig, path)
 
 
 def _span(start: int, end: int | None) -> str:
