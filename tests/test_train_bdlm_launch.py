@@ -83,6 +83,16 @@ def test_device_cuda_without_gpu_is_one_line(machine, capsys):
     assert machine.torchrun == [] and machine.gloo == []
 
 
+@pytest.mark.parametrize("gpus, extra", [(0, []), (2, ["parallel.device=cpu"])])
+def test_flex_backend_on_the_cpu_is_one_line(machine, capsys, gpus, extra):
+    """FlexAttention has no backward on the CPU: a CPU run asked for it stops before any rank starts."""
+    machine.gpus = gpus
+    assert main(["train-bdlm", "-c", str(SFT), "parallel.attention_backend=flex", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "parallel.attention_backend=flex" in err and "allowed here: auto" in err
+    assert machine.torchrun == [] and machine.gloo == []
+
+
 def test_cpu_runs_only_without_gpus_or_when_asked(machine):
     assert main(["train-bdlm", "-c", str(SFT)]) == 0  # no GPU: gloo ranks
     machine.gpus = 2

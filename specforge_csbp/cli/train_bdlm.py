@@ -52,6 +52,15 @@ def torchrun_command(config: str, overrides: list[str], world: int) -> list[str]
             "-m", "specforge_csbp", "train-bdlm", "-c", config, *overrides]  # fmt: skip
 
 
+def check_cpu_backend(parallel) -> None:
+    """A CPU run trains through the dense backend: FlexAttention has no backward on the CPU."""
+    if parallel.attention_backend == "flex":
+        raise ValueError(
+            "parallel.attention_backend=flex: FlexAttention trains on GPUs only (no backward on the CPU) and this "
+            "run is on the CPU; allowed here: auto (dense on the CPU, flex on GPUs) or dense"
+        )
+
+
 def gpu_world_size(parallel, gpus: int) -> int | None:
     """Ranks to start through torchrun on this machine's `gpus` GPUs, or None for a CPU (gloo) run."""
     if parallel.device == "cuda" and gpus == 0:
@@ -60,6 +69,7 @@ def gpu_world_size(parallel, gpus: int) -> int | None:
             "(GPUs when present, else CPU ranks) or cpu"
         )
     if parallel.device == "cpu" or gpus == 0:
+        check_cpu_backend(parallel)
         return None
     world = parallel.world_size if "world_size" in parallel.model_fields_set else gpus
     if world > gpus:
@@ -80,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
 
     check_local_path(recipe.model.pretrained, "model.pretrained")
     if under_torchrun():
+        if recipe.parallel.device == "cpu" or _gpus() == 0:
+            check_cpu_backend(recipe.parallel)
         preflight(recipe, int(os.environ["WORLD_SIZE"]))
         launch(_rank_main, recipe.parallel, recipe)
         return 0
