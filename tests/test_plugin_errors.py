@@ -138,6 +138,20 @@ def test_preflight_rejects_a_store_captured_for_other_layers(tmp_path):
     preflight(run)
 
 
+def test_preflight_refuses_flex_attention_without_a_gpu(tmp_path, monkeypatch):
+    import torch
+
+    _fake_store(tmp_path, [1, 3])
+    run = prepare_run(_write(tmp_path, {"attention_backend": "flex_attention"}), [], csbp=True, cp_size=2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError) as err:
+        preflight(run)
+    assert str(err.value).startswith("training.attention_backend=flex_attention: FlexAttention trains on GPUs")
+    assert "allowed here: sdpa" in str(err.value) and "\n" not in str(err.value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    preflight(run)  # with a GPU the same run passes this check
+
+
 def test_preflight_points_specforge_records_at_the_converter(tmp_path):
     (tmp_path / "records").mkdir()
     (tmp_path / "records" / "data_0.ckpt").write_bytes(b"x")

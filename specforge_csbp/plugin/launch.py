@@ -77,6 +77,17 @@ def _draft_config_dict(path: str) -> dict | None:
     return load_json(src, "model.draft_model_config")
 
 
+def check_cpu_backend(backend: str) -> None:
+    """FlexAttention has no backward on the CPU: a run without a GPU says so before any worker starts."""
+    import torch
+
+    if backend == "flex_attention" and not torch.cuda.is_available():
+        raise ValueError(
+            "training.attention_backend=flex_attention: FlexAttention trains on GPUs only (no backward on the "
+            "CPU) and this machine has none (it is SpecForge's default); allowed here: sdpa or eager"
+        )
+
+
 def preflight(prepared: PreparedRun) -> None:
     """Cheap cross-checks in the launching process, so a bad store / config / checkpoint / output directory
     fails before any worker starts (specforge_csbp/preflight.py holds the shared checks)."""
@@ -85,6 +96,7 @@ def preflight(prepared: PreparedRun) -> None:
     from .data import check_store_path
 
     cfg = prepared.config
+    check_cpu_backend(cfg.training.attention_backend)
     check_writable_dir(cfg.output_dir, "output_dir")
     for field, value in (("model.target_model_path", cfg.model.target_model_path),
                          ("model.draft_model_config", cfg.model.draft_model_config),
