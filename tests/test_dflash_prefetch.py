@@ -178,7 +178,7 @@ def test_prepared_step_with_other_options_is_refused(results, index):
 def test_chunked_row_copy_covers_every_row_and_converts():
     """copy_rows_chunked (the pinned feature copy's loop, run here unpinned on the CPU): every row lands, in
     chunks of whole rows, for a chunk smaller than a row, uneven counts and a dtype change."""
-    from specforge_csbp.models.dflash.step import copy_rows_chunked
+    from specforge_csbp.models.dflash.features import copy_rows_chunked
 
     rows = torch.randn(37, 5, dtype=torch.float64)
     for chunk_bytes in (1, 40, 7 * 5 * 8, 10**9):

@@ -48,7 +48,8 @@ import torch.distributed as dist
 from ...devices import device_key, stage_index
 from ...distributed.collectives import COMM_STATS, CommStats
 from ...objectives.dflash import BlockTargets, LossIndex, loss_index
-from .modeling import LayerAttention
+from .features import load_context
+from .layer_attention import LayerAttention
 from .sharding import DrafterPlan, plan_attention, prepare_plan_attention
 
 __all__ = ["AttentionOptions", "FeatureLoad", "PreparedStep", "StagedIndices", "StepPrefetcher", "build_work", "stage_indices"]
@@ -128,8 +129,6 @@ def build_work(
     """Per work item (sample, plan, block targets): its attention with every mask built, its indices
     staged on `device` (on the current stream), for `groups` query heads per kv head, and with `features`
     its context features loaded (else an empty list)."""
-    from .step import load_context  # step.py imports this module
-
     attention, indices, loaded = [], [], []
     for sample, plan, blocks in work:
         staged = stage_indices(plan, blocks, device)

@@ -41,7 +41,7 @@ from ...layout import CLEAN, NOISY, ShardPlan, TokenSet, ZigzagShards, assign_du
 from ...layout.plans import build_plans
 from ...parallel.sharded_attention import ShardedAttention
 from .configuration import DFlashConfig
-from .modeling import LayerAttention
+from .layer_attention import LayerAttention
 
 __all__ = [
     "DRAFTER_MODES",
