@@ -20,7 +20,7 @@ from typing import Any
 
 from .data import FEATURE, NORMALIZER_ID, STORAGE_FORMAT, build_collator, build_normalizer, build_reader
 from .drafts import CSBP_DFLASH_KEY, DFLASH2_KEY
-from .options import CSBPOptions
+from .options import CSBPOptions, attention_options
 
 __all__ = ["ALGORITHMS", "algorithm_spec", "plugin_registrations", "plugin_registry"]
 
@@ -219,9 +219,8 @@ def build_training_model(
     model = CSBPDrafterTrainingModel(
         draft_model, embed, head, store_path=path,
         objective=objective_for(cfg, options, int(draft_model.block_size)),
-        mode=mode, max_len=cfg.data.max_length, attention_backend=cfg.training.attention_backend,
-        bucket=options.bucket, schedule=options.attention_schedule, regather=options.regather,
-        gather_ahead=options.gather_ahead,
+        mode=mode, max_len=cfg.data.max_length, bucket=options.bucket,
+        attention=attention_options(options, cfg.training.attention_backend),
         prefetch_features=options.prefetch_features, eval_store_path=eval_path,
     ).to(device=_device())  # fmt: skip
     return AlgorithmModelParts(model=model, capture_layers=ids)

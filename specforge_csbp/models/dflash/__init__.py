@@ -9,10 +9,11 @@ step.py           one step's forward + backward in any mode
 prefetch.py       the next step's plans and attention masks, built while this step runs
 """
 
+from ...parallel.options import AttentionOptions
 from .configuration import DFLASH2_ARCH, DFLASH_ARCH, DFlashConfig, build_target_layer_ids, make_dflash_config
 from .conv import DFlashGroupedConv
 from .modeling import DFlash2DraftModel, DFlashDraftModel, LayerAttention
-from .prefetch import AttentionOptions, PreparedStep, StepPrefetcher
+from .prefetch import PreparedStep, StepPrefetcher
 from .selector import CandidateSelector
 from .sharding import (
     DRAFTER_MODES,

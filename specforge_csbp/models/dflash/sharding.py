@@ -36,9 +36,10 @@ import torch
 import torch.distributed as dist
 
 from ...attention import merge_partials
-from ...distributed.collectives import COMM_STATS, CommStats, all_gather_rows
+from ...distributed.collectives import CommStats, all_gather_rows
 from ...layout import CLEAN, NOISY, ShardPlan, TokenSet, ZigzagShards, assign_dual_end, assign_near_home
 from ...layout.plans import build_plans
+from ...parallel.options import AttentionOptions
 from ...parallel.sharded_attention import ShardedAttention
 from .configuration import DFlashConfig
 from .layer_attention import LayerAttention
@@ -334,8 +335,8 @@ def drafter_plans(
 class MergedAttention:
     """CP: attention of the (replicated) queries over this rank's keys, merged over the group by LSE."""
 
-    def __init__(self, local: ShardedAttention, group, stats: CommStats, communicate: bool = True):
-        self.local, self.group, self.stats, self.communicate = local, group, stats, communicate
+    def __init__(self, local: ShardedAttention, group, stats: CommStats):
+        self.local, self.group, self.stats = local, group, stats
 
     def prepare(self, device: torch.device | str, groups: int) -> None:
         self.local.prepare(device, groups)
@@ -348,7 +349,7 @@ class MergedAttention:
             raise ValueError("gathered: CP gathers no K/V (begin returned None)")
         out, lse = self.local(q, k, v, scale=scale)
         # every rank's partial result; backward reduce-scatters (each rank's replica fed its own loss copy)
-        gather = dict(group=self.group, stats=self.stats, communicate=self.communicate, label="_partials")
+        gather = {"group": self.group, "stats": self.stats, "label": "_partials"}
         outs, lses = all_gather_rows(out, **gather), all_gather_rows(lse, **gather)
         out, lse = outs[0], lses[0]
         for p in range(1, outs.shape[0]):
@@ -356,34 +357,24 @@ class MergedAttention:
         return out, lse
 
 
+_DEFAULTS = AttentionOptions()
+
+
 def plan_attention(
-    plan: DrafterPlan,
-    *,
-    group: dist.ProcessGroup | None = None,
-    backend: str = "auto",
-    communicate: bool = True,
-    stats: CommStats = COMM_STATS,
-    regather: bool = False,
-    schedule: str | None = None,
-    pack_gqa: bool | None = None,
-    gather_ahead: bool = True,
+    plan: DrafterPlan, *, group: dist.ProcessGroup | None = None, options: AttentionOptions = _DEFAULTS
 ) -> dict[str, LayerAttention]:
-    """The model's `attention` argument for this rank's plan (one executor per layer type).
-    `gather_ahead`: layer types whose plan gathers context K/V (CSBP) start that gather one layer early
-    (`LayerAttention.gather_ahead`).
-    `regather`: free each layer's gathered context K/V after forward and gather it again in backward.
-    `schedule`: ShardedAttention's ("fused" by default, "overlap" when regather); `pack_gqa`: the seam's
-    GQA head packing (None: decided per call from the block masks)."""
+    """The model's `attention` argument for this rank's plan: one executor per layer type, run as `options`
+    say (parallel/options.py); with `options.gather_ahead`, layer types whose plan gathers context K/V (CSBP)
+    start that gather one layer early (`LayerAttention.gather_ahead`)."""
     out = {}
     for kind, lp in plan.layers.items():
         attn = ShardedAttention(
             lp.shard, plan.block_size, window=lp.window, noisy_causal=lp.noisy_causal,
-            group=group if plan.world_size > 1 else None, backend=backend, communicate=communicate, stats=stats,
-            regather=regather, schedule=schedule, pack_gqa=pack_gqa,
+            group=group if plan.world_size > 1 else None, options=options,
         )  # fmt: skip
-        ahead = gather_ahead and lp.shard.communicates and not lp.merge
+        ahead = options.gather_ahead and lp.shard.communicates and not lp.merge
         if lp.merge:
-            attn = MergedAttention(attn, group, stats, communicate)
+            attn = MergedAttention(attn, group, options.stats)
         out[kind] = LayerAttention(attn, lp.ctx_index, ahead)
     return out
 
@@ -398,7 +389,11 @@ def prepare_plan_attention(attention: Mapping[str, LayerAttention], device: torc
 
 
 def reference_attention(
-    config: DFlashConfig, anchors: torch.Tensor, context_positions: torch.Tensor, *, backend: str = "auto"
+    config: DFlashConfig,
+    anchors: torch.Tensor,
+    context_positions: torch.Tensor,
+    *,
+    options: AttentionOptions = _DEFAULTS,
 ) -> dict[str, LayerAttention]:
     """Single-process attention for blocks at `anchors` over context rows at `context_positions` (any set)."""
     anchors, ctx = anchors.to(torch.long).cpu(), context_positions.to(torch.long).reshape(-1).cpu()
@@ -416,6 +411,6 @@ def reference_attention(
         window = config.sliding_window if kind == "sliding_attention" else None
         causal = config.sliding_layers_causal if window is not None else False
         out[kind] = LayerAttention(
-            ShardedAttention(shard, S, window=window, noisy_causal=causal, backend=backend)
+            ShardedAttention(shard, S, window=window, noisy_causal=causal, options=options)
         )
     return out

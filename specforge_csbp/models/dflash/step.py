@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ...distributed.collectives import COMM_STATS, CommStats
 from ...objectives.dflash import (
     BlockTargets,
     DFlashObjective,
@@ -38,10 +37,11 @@ from ...objectives.dflash import (
     loss_terms,
     sample_anchors,
 )
+from ...parallel.options import AttentionOptions
 from .features import DrafterSample, load_context
 from .modeling import DFlashDraftModel
-from .prefetch import AttentionOptions, PreparedStep, StagedIndices, stage_indices
-from .sharding import DRAFTER_MODES, DrafterPlan, drafter_plans
+from .prefetch import PreparedStep, StagedIndices, stage_indices
+from .sharding import DRAFTER_MODES, DrafterPlan, drafter_plans, plan_attention
 
 __all__ = [
     "STAT_KEYS",
@@ -57,6 +57,9 @@ __all__ = [
     "step_metrics",
     "sync_gradients",
 ]
+
+_DEFAULTS = AttentionOptions()
+
 
 @dataclass
 class StepResult:
@@ -250,22 +253,16 @@ def drafter_step(
     embed_weight: torch.Tensor,
     step: int = 0,
     group: dist.ProcessGroup | None = None,
-    backend: str = "auto",
-    communicate: bool = True,
+    options: AttentionOptions = _DEFAULTS,
     bucket: int = 1,
     sync_grads: bool = True,
-    stats: CommStats = COMM_STATS,
     prepared: Work | PreparedStep | None = None,
-    regather: bool = False,
-    schedule: str | None = None,
-    pack_gqa: bool | None = None,
-    gather_ahead: bool = True,
 ) -> StepResult:
     """Forward + backward of one step; gradients land in model parameters (summed over the group).
+    `options`: how the attention executors run (parallel/options.py; every choice gives the same result).
     `prepared`: this step's `prepare_step(...)` result, or a PreparedStep (prefetch.py: its attention
     masks built and its indices staged on the device ahead too), if computed ahead of time. Indices not
-    staged ahead are copied here, once each (`stage_indices`). `gather_ahead` (default on): CSBP layers
-    start their context K/V gather one layer early (`LayerAttention.gather_ahead`); same result, other overlap."""
+    staged ahead are copied here, once each (`stage_indices`)."""
     if mode not in DRAFTER_MODES:
         raise ValueError(f"mode must be one of {', '.join(DRAFTER_MODES)}; got {mode!r}")
     if not samples:
@@ -275,16 +272,11 @@ def drafter_step(
     device = model.fc.weight.device
     selector = getattr(model, "candidate_selector", None)
 
-    options = AttentionOptions(
-        group=group, backend=backend, communicate=communicate, stats=stats, regather=regather,
-        schedule=schedule, pack_gqa=pack_gqa, gather_ahead=gather_ahead,
-    )  # fmt: skip
     ahead: list | None = None  # per work item, attention built ahead (masks included)
     staged_ahead: list | None = None  # per work item, StagedIndices on the device
     loaded_ahead: list | None = None  # per work item, its context features (prefetch.FeatureLoad)
     if isinstance(prepared, PreparedStep):
-        if prepared.options != options:
-            raise ValueError(f"prepared: built with {prepared.options}, but this step asks for {options}")
+        prepared.check_for(options, group)
         prepared.wait()
         ahead, staged_ahead = list(prepared.attention) or None, list(prepared.indices) or None
         loaded_ahead = list(prepared.features) or None
@@ -308,7 +300,7 @@ def drafter_step(
     for j, (sample, plan, blocks) in enumerate(work):
         out = sample_terms(
             model, sample, plan, blocks, objective=objective, head_weight=head_weight, embed_weight=embed_weight,
-            step=step, attention=ahead[j] if ahead is not None else options.build(plan),
+            step=step, attention=ahead[j] if ahead is not None else plan_attention(plan, group=group, options=options),
             staged=staged_ahead[j] if staged_ahead is not None else None,
             features=loaded_ahead[j] if loaded_ahead is not None else None,
         )  # fmt: skip
