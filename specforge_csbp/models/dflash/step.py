@@ -243,6 +243,18 @@ def step_metrics(values: list[float], block_size: int, denominator: float, selec
     return metrics
 
 
+def _global_denominator(work: Work, objective: DFlashObjective, device, world: int, group) -> torch.Tensor:
+    """The step's loss denominator: every rank adds its samples' shares on the host, then (world > 1) one
+    all-reduce over `group`."""
+    den = torch.zeros((), dtype=torch.float64)
+    for _, plan, blocks in work:
+        den += sample_denominator(plan, blocks, objective)
+    den = torch.full((), float(den), dtype=torch.float64, device=device)  # a fill kernel, not a copy
+    if world > 1:
+        dist.all_reduce(den, group=group)
+    return den
+
+
 def drafter_step(
     model: DFlashDraftModel,
     samples: Sequence[DrafterSample],
@@ -268,41 +280,27 @@ def drafter_step(
     if not samples:
         raise ValueError("samples: a step needs at least one sequence")
     world, _ = _world(mode, group)
-    S = model.block_size
-    device = model.fc.weight.device
+    S, device = model.block_size, model.fc.weight.device
     selector = getattr(model, "candidate_selector", None)
-
-    ahead: list | None = None  # per work item, attention built ahead (masks included)
-    staged_ahead: list | None = None  # per work item, StagedIndices on the device
-    loaded_ahead: list | None = None  # per work item, its context features (prefetch.FeatureLoad)
     if isinstance(prepared, PreparedStep):
         prepared.check_for(options, group)
         prepared.wait()
-        ahead, staged_ahead = list(prepared.attention) or None, list(prepared.indices) or None
-        loaded_ahead = list(prepared.features) or None
-        prepared = prepared.work
-    if prepared is None:
-        prepared = prepare_step(
+    else:  # nothing built ahead: each item's executors are built, its indices copied, when it runs
+        work = prepared if prepared is not None else prepare_step(
             model.config, samples, objective=objective, mode=mode, step=step, group=group, bucket=bucket
         )
-    work = prepared
-
-    # global denominator: every rank adds its share (on the host), one all-reduce
-    den = torch.zeros((), dtype=torch.float64)
-    for _, plan, blocks in work:
-        den += sample_denominator(plan, blocks, objective)
-    den = torch.full((), float(den), dtype=torch.float64, device=device)  # a fill kernel, not a copy
-    if world > 1:
-        dist.all_reduce(den, group=group)
+        prepared = PreparedStep(work, options, [], group=group)
+    work = prepared.work
+    den = _global_denominator(work, objective, device, world, group)
 
     totals: dict[str, torch.Tensor] = {}
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for j, (sample, plan, blocks) in enumerate(work):
         out = sample_terms(
             model, sample, plan, blocks, objective=objective, head_weight=head_weight, embed_weight=embed_weight,
-            step=step, attention=ahead[j] if ahead is not None else plan_attention(plan, group=group, options=options),
-            staged=staged_ahead[j] if staged_ahead is not None else None,
-            features=loaded_ahead[j] if loaded_ahead is not None else None,
+            step=step, staged=prepared.indices[j] if prepared.indices else None,
+            attention=prepared.attention[j] if prepared.attention else plan_attention(plan, group=group, options=options),
+            features=prepared.features[j] if prepared.features else None,
         )  # fmt: skip
         loss = out.numerator / den.to(out.numerator.dtype)
         loss.backward()
