@@ -45,9 +45,11 @@ import time
 
 import torch
 import torch.distributed as dist
-from nocomm import no_attention_communication
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # nocomm.py, also when imported from a file
+
+from nocomm import no_attention_communication  # noqa: E402
 
 from specforge_csbp.bench.grid import parse_size
 from specforge_csbp.bench.isolation import compiled_graphs, fresh_point, warm_up
