@@ -17,6 +17,7 @@ import torch
 from ..devices import device_key
 from ..masks.visibility import Visibility
 from .dense import dense_attention
+from .flex import block_mask_for, flex_attention_partial
 from .packing import pack_q, packed_visibility, should_pack, tile_counts, unpack
 
 __all__ = ["BACKENDS", "check_qkv", "partial_attention", "prepare_attention"]
@@ -99,8 +100,6 @@ def prepare_attention(
         if backend == "flex":  # both block masks from one pass over chunks of rows (cached on vis)
             tile_counts(vis, groups, device)
     if backend == "flex":
-        from .flex import block_mask_for
-
         block_mask_for(target, device)
     else:
         target.dense(device)
@@ -109,7 +108,5 @@ def prepare_attention(
 
 def _attend(q, k, v, vis: Visibility, scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     if backend == "flex":
-        from .flex import flex_attention_partial
-
         return flex_attention_partial(q, k, v, vis, scale)
     return dense_attention(q, k, v, vis.dense(q.device), scale)
