@@ -24,6 +24,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from nocomm import no_attention_communication
 
 from specforge_csbp.bench.isolation import fresh_point
 from specforge_csbp.bench.records import BenchRecord, write_records
@@ -31,8 +32,8 @@ from specforge_csbp.distributed.collectives import CommStats
 from specforge_csbp.layout import bdlm_plan
 from specforge_csbp.layout.cost import attention_flops, bdlm_visible_pairs
 from specforge_csbp.masks import Visibility
-from specforge_csbp.parallel import ShardedAttention
-from specforge_csbp.parallel.sharded_attention import resolve_schedule
+from specforge_csbp.parallel import AttentionOptions, ShardedAttention
+from specforge_csbp.parallel.options import resolve_schedule
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -186,7 +187,7 @@ def _local_inputs(rows_q, rows_kv, args, device, dtype, full=None):
     return q, k, v, torch.randn(1, args.heads, len(rows_q), args.head_dim, device=device, dtype=dtype)
 
 
-def _build(mode, seq_len, args, device, communicate=True):
+def _build(mode, seq_len, args, device):
     """(callable, q_rows, kv_rows) for this rank; None when this rank sits the mode out."""
     backend = "dense" if device.type == "cpu" else "flex"
     if mode == "torch-cp":
@@ -196,10 +197,12 @@ def _build(mode, seq_len, args, device, communicate=True):
         if dist.get_rank() != 0:
             return None
         plan = bdlm_plan("reference", seq_len, args.block_size, 1)[0]
-        return ShardedAttention(plan, args.block_size, backend=backend, pack_gqa=args.pack), plan.q_rows, plan.kv_rows
+        options = AttentionOptions(backend=backend, pack_gqa=args.pack)
+        return ShardedAttention(plan, args.block_size, options=options), plan.q_rows, plan.kv_rows
     plan = bdlm_plan(mode, seq_len, args.block_size, dist.get_world_size())[dist.get_rank()]
-    attn = ShardedAttention(plan, args.block_size, backend=backend, communicate=communicate, stats=CommStats(),
-                            schedule=args.schedule, regather=args.regather, pack_gqa=args.pack)  # fmt: skip
+    options = AttentionOptions(backend=backend, stats=CommStats(), schedule=args.schedule, regather=args.regather,
+                               pack_gqa=args.pack)  # fmt: skip
+    attn = ShardedAttention(plan, args.block_size, options=options)
     return attn, plan.q_rows, plan.kv_rows
 
 
@@ -211,7 +214,7 @@ def _check(modes, seq_len, args, device, dtype) -> dict[str, float]:
             for h in (args.heads, args.kv_heads, args.kv_heads, args.heads)]  # fmt: skip
     ref_plan = bdlm_plan("reference", seq_len, args.block_size, 1)[0]
     backend = "dense" if device.type == "cpu" else "flex"
-    ref = ShardedAttention(ref_plan, args.block_size, backend=backend)
+    ref = ShardedAttention(ref_plan, args.block_size, options=AttentionOptions(backend=backend))
     q, k, v, g = _local_inputs(ref_plan.q_rows, ref_plan.kv_rows, args, device, dtype, full)
     ref_out, _ = ref(q, k, v)
     ref_out.backward(g)
@@ -273,8 +276,8 @@ def run(args) -> list[BenchRecord]:
                     if args.profile:  # every rank that holds the mode runs the step (collectives)
                         _profile_step(fn, q, k, v, g, f"{mode} L={seq_len}")
                     if mode in ("cp", "csbp") and world > 1:
-                        quiet, _, _ = _build(mode, seq_len, args, device, communicate=False)
-                        no_comm_ms = _time_steps(quiet, q, k, v, g, 1, args.iters, device)
+                        with no_attention_communication():  # the same executor, collectives as local copies
+                            no_comm_ms = _time_steps(fn, q, k, v, g, 1, args.iters, device)
                         exposed = max(step_ms - no_comm_ms, 0.0)
                     del q, k, v, g, built, fn
                 peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from nocomm import no_attention_communication
 
 from specforge_csbp.bench.isolation import fresh_point
 from specforge_csbp.bench.provenance import library_digest
@@ -316,14 +317,11 @@ def run_point(
         attention_ms = spans.get("attention", 0.0)
         record["attention_with_comm_ms"] = attention_ms
         if mode in args.breakdown_modes and attention.plan.communicates:
-            workload.bind(
-                model,
-                ctx,
-                TimedAttention(model.attention(plan_mode, seq_len, cp_group, communicate=False), timer),
-            )
-            steps(1)  # builds the control's masks
-            timer.reset()
-            steps(1)
+            # the control: the same executor with its collectives replaced by local copies (benchmarks/nocomm.py)
+            with no_attention_communication():
+                steps(1)
+                timer.reset()
+                steps(1)
             attention_ms = timer.total_ms().get("attention", 0.0)
         exposed = max(record["attention_with_comm_ms"] - attention_ms, 0.0) + spans.get("grad_reduce", 0.0)
         record.update(

@@ -47,8 +47,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # nocomm.py, also when imported from a file
 
-from specforge_csbp.attention import order
+from nocomm import no_attention_communication  # noqa: E402
+
 from specforge_csbp.bench.grid import parse_size
 from specforge_csbp.bench.isolation import compiled_graphs, fresh_point, warm_up
 from specforge_csbp.bench.provenance import library_digest
@@ -63,11 +65,11 @@ from specforge_csbp.models.dflash import (
     plan_attention,
 )
 from specforge_csbp.models.dflash.configuration import DFlashConfig
-from specforge_csbp.models.dflash.prefetch import AttentionOptions, StepPrefetcher, stage_indices
+from specforge_csbp.models.dflash.prefetch import StepPrefetcher, stage_indices
 from specforge_csbp.models.dflash.sharding import prepare_plan_attention, reference_attention
 from specforge_csbp.models.dflash.step import plan_sample, prepare_step
 from specforge_csbp.objectives.dflash import DFlashObjective, block_targets, loss_terms, sample_anchors
-from specforge_csbp.parallel.sharded_attention import resolve_schedule
+from specforge_csbp.parallel.options import AttentionOptions, resolve_schedule
 
 SHAPES = {
     "a": {
@@ -132,8 +134,6 @@ def parse_args(argv=None):
     p.add_argument("--gather-ahead", action=argparse.BooleanOptionalAction, default=True,
                    help="CSBP: start each layer's context K/V gather one layer early (LayerAttention.gather_ahead; "
                    "the default, docs/performance.md); --no-gather-ahead: gather in front of each layer")
-    p.add_argument("--reverse-queries", action="store_true",
-                   help="run every attention kernel over its query rows last first (attention/order.py; every mode)")
     p.add_argument("--check-context", type=int, default=0,
                    help="first check our modes' GPU path against the dense seam at this context (float32; 0: off)")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
@@ -369,7 +369,7 @@ def components(model, plan, sample, head, embed, objective, env, fresh_plans=())
     empty_ctx, rope_empty = x0[:, :0], tuple(t[:, :0] for t in rope_q)
     # the block-local decoder: every layer with attention over the block's own keys only
     block_attn = reference_attention(
-        cfg, plan.owned_anchors, torch.zeros(0, dtype=torch.long), backend=env.backend
+        cfg, plan.owned_anchors, torch.zeros(0, dtype=torch.long), options=AttentionOptions(backend=env.backend)
     )
 
     def block_step():
@@ -386,9 +386,9 @@ def components(model, plan, sample, head, embed, objective, env, fresh_plans=())
         loss_terms(hidden[0], head, blocks, objective, selector=selector, index=staged.loss).numerator.backward()
 
     out["loss_ms"] = _time(loss_step, env, 1, env.args.iters)
-    attention = plan_attention(plan, group=dist.group.WORLD if plan.world_size > 1 else None, backend=env.backend,
-                               communicate=False, stats=CommStats(), schedule=env.args.schedule,
+    options = AttentionOptions(backend=env.backend, stats=CommStats(), schedule=env.args.schedule,
                                pack_gqa=env.args.pack)  # fmt: skip
+    attention = plan_attention(plan, group=dist.group.WORLD if plan.world_size > 1 else None, options=options)
     for kind, spec in attention.items():
         lp = plan.layers[kind]
         q = torch.randn(
@@ -415,16 +415,16 @@ def components(model, plan, sample, head, embed, objective, env, fresh_plans=())
             o, _ = spec.attend(q, k, v)
             o.float().mean().backward()
 
-        out[f"attn_{kind.split('_')[0]}_ms"] = _time(
-            attn_step, env, 1, env.args.iters
-        ) * cfg.layer_types.count(kind)
+        with no_attention_communication():  # this rank's attention work alone (benchmarks/nocomm.py)
+            ms = _time(attn_step, env, 1, env.args.iters)
+        out[f"attn_{kind.split('_')[0]}_ms"] = ms * cfg.layer_types.count(kind)
     prep = []
     for fresh in fresh_plans:
         env.sync()
         t = time.perf_counter()
-        fresh_attention = plan_attention(fresh, group=dist.group.WORLD if fresh.world_size > 1 else None,
-                                         backend=env.backend, communicate=False, stats=CommStats(),
-                                         schedule=env.args.schedule, pack_gqa=env.args.pack)  # fmt: skip
+        fresh_attention = plan_attention(
+            fresh, group=dist.group.WORLD if fresh.world_size > 1 else None, options=options
+        )
         prepare_plan_attention(fresh_attention, dev, cfg.num_attention_heads // cfg.num_key_value_heads)
         env.sync()
         prep.append(1e3 * (time.perf_counter() - t))
@@ -466,17 +466,17 @@ def check_backends(args, env, modes) -> dict[str, float]:
         objective, samples = make_samples(mode, L, N, config, model.fc.in_features, env, args.seed, torch.float32)
         out = {}
         # the reference is the dense seam in row order, gathers in place; on CPU (--smoke) dense twice: the
-        # path runs, error 0 (or the rounding of --reverse-queries / --gather-ahead's other order)
-        for backend, options in (("dense", False), (env.backend, True)):
-            order.REVERSE_QUERIES = options and args.reverse_queries
+        # path runs, error 0 (or the rounding of --gather-ahead's other order)
+        for backend, checked in (("dense", False), (env.backend, True)):
             model.zero_grad(set_to_none=True)
+            options = AttentionOptions(backend=backend, stats=CommStats(), regather=args.regather,
+                                       schedule=args.schedule, pack_gqa=args.pack,
+                                       gather_ahead=checked and args.gather_ahead)  # fmt: skip
             res = drafter_step(
                 model, samples, objective=objective, mode=mode, head_weight=head, embed_weight=embed, step=0,
-                backend=backend, bucket=args.bucket, stats=CommStats(), regather=args.regather,
-                schedule=args.schedule, pack_gqa=args.pack, gather_ahead=options and args.gather_ahead,
+                bucket=args.bucket, options=options,
             )  # fmt: skip
             out[backend] = (res.loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-        order.REVERSE_QUERIES = args.reverse_queries
         (ref_loss, ref_grads), (loss, grads) = out["dense"], out[env.backend]
         err = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
         for n, g in ref_grads.items():
@@ -502,30 +502,20 @@ def run_ours(mode, L, N, config, model, head, embed, env, args) -> dict:
     def prepare(i):
         return prepare_step(config, samples, objective=objective, mode=mode, step=i, bucket=args.bucket)
 
-    prefetchers: dict[bool, StepPrefetcher] = {}  # one per `communicate` (the options a prepared step carries)
+    groups = config.num_attention_heads // config.num_key_value_heads
+    options = AttentionOptions(backend=env.backend, stats=stats, regather=args.regather, schedule=args.schedule,
+                               pack_gqa=args.pack, gather_ahead=args.gather_ahead)  # fmt: skip
+    prefetcher = StepPrefetcher(prepare, options, device=env.device, groups=groups, masks=args.prefetch_masks)
     state = {"i": 0}
 
-    def prepared_step(i, communicate):
-        if communicate not in prefetchers:
-            options = AttentionOptions(backend=env.backend, communicate=communicate, stats=stats,
-                                       regather=args.regather, schedule=args.schedule, pack_gqa=args.pack,
-                                       gather_ahead=args.gather_ahead)  # fmt: skip
-            prefetchers[communicate] = StepPrefetcher(
-                prepare, options, device=env.device, groups=groups, masks=args.prefetch_masks
-            )
-        return prefetchers[communicate].take(i)
-
-    groups = config.num_attention_heads // config.num_key_value_heads
-
-    def step(communicate=True):
+    def step():
         i = state["i"]
-        prepared = prepared_step(i, communicate)
+        prepared = prefetcher.take(i)
         state["i"] = i + 1
         model.zero_grad(set_to_none=True)
         box["res"] = drafter_step(
             model, samples, objective=objective, mode=mode, head_weight=head, embed_weight=embed, step=i,
-            backend=env.backend, communicate=communicate, bucket=args.bucket, stats=stats, prepared=prepared,
-            regather=args.regather, schedule=args.schedule, pack_gqa=args.pack, gather_ahead=args.gather_ahead,
+            bucket=args.bucket, options=options, prepared=prepared,
         )  # fmt: skip
 
     warmup_steps = warm_up(step, args.warmup, max(args.warmup, args.max_warmup), agree=env.reduce)
@@ -549,8 +539,10 @@ def run_ours(mode, L, N, config, model, head, embed, env, args) -> dict:
     rec["useful_tflops_per_gpu"] = flops / (step_ms / 1e3) / P / 1e12
     rec["mfu"] = rec["useful_tflops_per_gpu"] / args.peak_tflops
     if P > 1 and mode in ("csbp", "cp"):
-        warm_up(lambda: step(communicate=False), 1, max(1, args.max_warmup), agree=env.reduce)
-        nocomm = env.reduce(_time(lambda: step(communicate=False), env, 0, args.iters))
+        with no_attention_communication():  # the same steps, attention collectives as local copies
+            warm_up(step, 1, max(1, args.max_warmup), agree=env.reduce)
+            nocomm = _time(step, env, 0, args.iters)
+        nocomm = env.reduce(nocomm)
         rec["exposed_comm_ms"] = max(0.0, step_ms - nocomm)
     if args.profile and env.rank == 0:
         profile_once(step, env, f"{mode} P={P} L={L} N={N}")
@@ -571,8 +563,7 @@ def run_ours(mode, L, N, config, model, head, embed, env, args) -> dict:
             rec["ceiling"] = (C + A / P + D) / (C + A / P + D / P)
             rec["components_ms"].update(attention_total_ms=A, block_local_all_anchors_ms=D)
     model.zero_grad(set_to_none=True)
-    for prefetcher in prefetchers.values():
-        prefetcher.close()
+    prefetcher.close()
     return rec
 
 
@@ -653,7 +644,6 @@ def is_oom(err: BaseException) -> bool:
 
 def run_points(args, env, points):
     name, config = build_config(args)
-    order.REVERSE_QUERIES = args.reverse_queries  # in every rank's process (--smoke spawns its own)
     ours = list(dict.fromkeys(m for m, _, _ in points if m != "specforge"))
     checked = check_backends(args, env, ours) if args.check_context and ours else {}
     head, embed = frozen_target(config, env, args.seed)
@@ -667,7 +657,6 @@ def run_points(args, env, points):
         base = {"workload": f"drafter-{name}", "mode": mode, "world_size": 1 if mode == "specforge" else env.world,
                     "context_len": L, "block_size": config.draft_block_size, "anchors": N, "dflash2": config.is_dflash2,
                     "regather": args.regather, "schedule": args.schedule, "pack_gqa": args.pack_gqa,
-                    **({"reverse_queries": True} if args.reverse_queries and mode != "specforge" else {}),
                     **({} if mode == "specforge" else {"gather_ahead": args.gather_ahead}),
                     **({} if mode == "specforge" else {"prefetch_masks": args.prefetch_masks}), "fresh_compile": True, "start_allocated_gib": held,
                     **({"keep_logits_gib": args.keep_logits_gib} if args.keep_logits_gib and mode != "specforge" else {}),

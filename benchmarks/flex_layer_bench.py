@@ -13,7 +13,8 @@ ranks' shards ++ owned blocks) and times it on random bf16 tensors after `fresh_
                        shapes recompile the call site with symbolic lengths (what a training step gets once
                        the row counts change from step to step - every step for CSBP)
     +divisible         `attention.flex.kernel_options` states that both lengths are multiples of 128
-                       (IS_DIVISIBLE); without it the option is withheld (ASSERT_DIVISIBLE off)
+                       (IS_DIVISIBLE), as the library always does; without it this script withholds the
+                       option (its control: `kernel_options` replaced for the variant)
     +split             CSBP: two calls (local keys, the other ranks' keys) and an LSE merge, not one call
     +rev               the query rows in reverse order (heaviest query tiles dispatched first)
     +nopack / +pack    GQA head packing forced off / on (default: decided from the block masks)
@@ -36,10 +37,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from drafter_bench import SHAPES, parse_size, sequence  # noqa: E402
+from nocomm import no_attention_communication  # noqa: E402
 
 from specforge_csbp.attention import flex as flex_backend  # noqa: E402
 from specforge_csbp.attention import merge_partials, partial_attention, prepare_attention  # noqa: E402
-from specforge_csbp.attention.flex import block_mask_for, tile_visits  # noqa: E402
+from specforge_csbp.attention.flex import block_mask_for, kernel_options, tile_visits  # noqa: E402
 from specforge_csbp.bench.isolation import fresh_point  # noqa: E402
 from specforge_csbp.layout import TokenSet  # noqa: E402
 from specforge_csbp.masks import Visibility  # noqa: E402
@@ -97,9 +99,11 @@ def executor_step(plan, kind: str, config, device):
     concatenation, CP's partial-output merge), communication replaced by local copies."""
     from specforge_csbp.distributed.collectives import CommStats
     from specforge_csbp.models.dflash import plan_attention
+    from specforge_csbp.parallel import AttentionOptions
 
     backend = "flex" if device.type == "cuda" else "dense"  # CPU: the dense seam (a smoke run of the path)
-    attend = plan_attention(plan, group=dist.group.WORLD, backend=backend, communicate=False, stats=CommStats())
+    options = AttentionOptions(backend=backend, stats=CommStats())
+    attend = plan_attention(plan, group=dist.group.WORLD, options=options)
     lp, g = plan.layers[kind], torch.Generator(device=device).manual_seed(0)
     q = _tensor((1, config.num_attention_heads, lp.shard.q_rows.numel(), config.head_dim), device, g, True)
     k, v = (_tensor((1, config.num_key_value_heads, lp.shard.kv_rows.numel(), config.head_dim), device, g, True)
@@ -107,8 +111,9 @@ def executor_step(plan, kind: str, config, device):
     grad = torch.randn(q.shape, device=device, dtype=torch.bfloat16, generator=g)
 
     def step():
-        out, _ = attend[kind].attend(q, k, v)
-        out.backward(grad)
+        with no_attention_communication():
+            out, _ = attend[kind].attend(q, k, v)
+            out.backward(grad)
 
     return step
 
@@ -165,7 +170,7 @@ def main() -> None:
     for variant in args.variants.split(","):
         mode, how = variant.split(":")
         fresh_point()
-        flex_backend.ASSERT_DIVISIBLE = "divisible" in how
+        flex_backend.kernel_options = kernel_options if "divisible" in how else lambda q_len, kv_len: None
         plan = drafter_plans(mode, L, anchors, config, P, bucket=args.bucket)[rank]
         parts = layer_visibility(mode, plan, args.layer, S, split="split" in how, rev="rev" in how)
         force = True if "+pack" in how else False if "nopack" in how else None

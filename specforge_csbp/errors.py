@@ -24,11 +24,15 @@ import errno
 import json
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pydantic is imported only where a ValidationError is formatted
+    from pydantic import ValidationError
 
 from .preflight import check_input_file
 
 __all__ = [
+    "format_validation_error",
     "is_user_error",
     "load_config",
     "load_json",
@@ -65,13 +69,24 @@ def _os_error(err: OSError) -> str:
     return f"{where}: {reason}" if where else _flat(reason)
 
 
+def format_validation_error(err: ValidationError) -> str:
+    """One line: the first error's dotted location, message and input (+ how many more)."""
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "recipe"
+    msg = first["msg"].removeprefix("Value error, ")
+    more = len(err.errors()) - 1
+    shown = repr(first.get("input"))
+    text = f"{loc}: {msg}" + (
+        f" (got {shown[:60]})" if first["type"] != "missing" and "input" in first else ""
+    )
+    return text + (f" (and {more} more)" if more else "")
+
+
 def one_line(err: BaseException) -> str:
     """The one line a user sees for `err` (no type names unless they are the only information)."""
     from pydantic import ValidationError
 
     if isinstance(err, ValidationError):
-        from .training.config import format_validation_error
-
         return _flat(format_validation_error(err))
     if isinstance(err, UnicodeDecodeError):
         return f"not UTF-8 text (byte {err.object[err.start:err.start + 1]!r} at offset {err.start})"

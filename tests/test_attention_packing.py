@@ -262,10 +262,11 @@ def test_prepare_builds_what_the_call_needs_and_nothing_changes(eager_flex, back
 
 def test_sharded_attention_prepares_the_visibilities_of_its_schedule():
     from specforge_csbp.models.dflash.sharding import reference_attention
+    from specforge_csbp.parallel import AttentionOptions
 
     cfg = _drafter_config(None, heads=4, kv_heads=2, window=37, block=4)
     anchors = sample_anchors(torch.ones(300), DFlashObjective(num_anchors=13), block_size=4)
-    attention = reference_attention(cfg, anchors, torch.arange(300), backend="dense")
+    attention = reference_attention(cfg, anchors, torch.arange(300), options=AttentionOptions(backend="dense"))
     for layer in attention.values():
         sharded = layer.attend
         assert sharded.visibilities == (sharded.local,)  # one process: no gathered keys

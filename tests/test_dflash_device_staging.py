@@ -79,7 +79,7 @@ def _step(case, model, head, embed, samples, obj, group, prepared, moves):
     with moves:
         res = drafter_step(
             model, samples, objective=obj, mode=case.mode, head_weight=head, embed_weight=embed, step=1,
-            bucket=case.bucket, group=group, regather=case.regather, stats=CommStats(), prepared=prepared,
+            bucket=case.bucket, group=group, options=AttentionOptions(regather=case.regather, stats=CommStats()), prepared=prepared,
         )  # fmt: skip
     return res.loss, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
@@ -107,9 +107,9 @@ def _worker(rank, world, out_dir):
             if src in gather_rows:
                 gather_rows[src][1] += 1
 
-        options = AttentionOptions(group=group, regather=case.regather)
+        options = AttentionOptions(regather=case.regather)
         groups = cfg.num_attention_heads // cfg.num_key_value_heads
-        with StepPrefetcher(prepare, options, device="cpu", groups=groups) as prefetcher:
+        with StepPrefetcher(prepare, options, device="cpu", groups=groups, group=group) as prefetcher:
             prepared = prefetcher.take(1)  # the worker now builds step 2 while step 1 runs
             ahead = DeviceMoves()
             loss_ahead, grads_ahead = _step(case, model, head, embed, samples, obj, group, prepared, ahead)

@@ -11,7 +11,7 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 import specforge_csbp.attention.flex as flex_backend
-from specforge_csbp.models.dflash import drafter_plans, make_dflash_config, plan_attention
+from specforge_csbp.models.dflash import AttentionOptions, drafter_plans, make_dflash_config, plan_attention
 from specforge_csbp.objectives.dflash import DFlashObjective, sample_anchors
 
 
@@ -31,8 +31,8 @@ def test_drafter_attention_flex_equals_dense(eager_flex, is_causal, bucket):
     L = 300
     anchors = sample_anchors(torch.ones(L), DFlashObjective(num_anchors=13), block_size=4)
     (plan,) = drafter_plans("reference", L, anchors, cfg, 1, bucket=bucket)
-    dense = plan_attention(plan, backend="dense", communicate=False)
-    flex = plan_attention(plan, backend="flex", communicate=False)
+    dense = plan_attention(plan, options=AttentionOptions(backend="dense"))
+    flex = plan_attention(plan, options=AttentionOptions(backend="flex"))
     g = torch.Generator().manual_seed(0)
     for kind, layer in plan.layers.items():
         q = torch.randn(1, 4, layer.shard.q_rows.numel(), 16, generator=g)

@@ -15,6 +15,7 @@ from spawned import save_results, spawn_results
 
 from specforge_csbp.distributed.collectives import CommStats
 from specforge_csbp.models.dflash import (
+    AttentionOptions,
     DFlash2DraftModel,
     DFlashDraftModel,
     DrafterSample,
@@ -96,8 +97,8 @@ def run(case: Case, mode: str, stats=None, group=None):
     model, head, embed, samples, obj = build(case)
     res = drafter_step(
         model, samples, objective=obj, mode=mode, head_weight=head, embed_weight=embed, step=1,
-        bucket=case.bucket, stats=stats or CommStats(), group=group, regather=case.regather,
-        gather_ahead=case.gather_ahead,
+        bucket=case.bucket, group=group,
+        options=AttentionOptions(stats=stats or CommStats(), regather=case.regather, gather_ahead=case.gather_ahead),
     )  # fmt: skip
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return res, grads

@@ -74,7 +74,7 @@ def _worker(rank, world, out_dir):
         model, head, embed, samples, obj = build(case)
         res = drafter_step(
             model, samples, objective=obj, mode=case.mode, head_weight=head, embed_weight=embed, step=1,
-            bucket=case.bucket, group=group, regather=case.regather,
+            bucket=case.bucket, group=group, options=AttentionOptions(regather=case.regather),
         )  # fmt: skip
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
@@ -86,15 +86,15 @@ def _worker(rank, world, out_dir):
             builders.append(threading.current_thread().name)
             return prepare_step(cfg, samples2, objective=obj2, mode=case.mode, step=i, group=group, bucket=case.bucket)
 
-        options = AttentionOptions(group=group, regather=case.regather)
+        options = AttentionOptions(regather=case.regather)
         groups = cfg.num_attention_heads // cfg.num_key_value_heads
-        with StepPrefetcher(prepare, options, device="cpu", groups=groups) as prefetcher:
+        with StepPrefetcher(prepare, options, device="cpu", groups=groups, group=group) as prefetcher:
             prepared = prefetcher.take(1)
             built = _caches(prepared)
             mask_work.counts.clear()
             res2 = drafter_step(
                 model2, samples2, objective=obj2, mode=case.mode, head_weight=head2, embed_weight=embed2, step=1,
-                bucket=case.bucket, group=group, regather=case.regather, prepared=prepared,
+                bucket=case.bucket, group=group, options=AttentionOptions(regather=case.regather), prepared=prepared,
             )  # fmt: skip
             after = _caches(prepared)
             in_step = mask_work.counts.get(threading.current_thread().name, 0)
@@ -102,7 +102,7 @@ def _worker(rank, world, out_dir):
             try:
                 drafter_step(
                     model2, samples2, objective=obj2, mode=case.mode, head_weight=head2, embed_weight=embed2,
-                    step=2, bucket=case.bucket, group=group, regather=not case.regather, prepared=prefetcher.take(2),
+                    step=2, bucket=case.bucket, group=group, options=AttentionOptions(regather=not case.regather), prepared=prefetcher.take(2),
                 )  # fmt: skip
             except ValueError as err:
                 wrong = str(err)
@@ -123,12 +123,12 @@ def _worker(rank, world, out_dir):
             return prepare_step(cfg, samples3, objective=obj3, mode=case.mode, step=i, group=group, bucket=case.bucket)
 
         load = FeatureLoad(model3.fc.weight.dtype, model3.fc.in_features)
-        with StepPrefetcher(prepare3, options, device="cpu", groups=groups, features=load) as prefetcher:
+        with StepPrefetcher(prepare3, options, device="cpu", groups=groups, group=group, features=load) as prefetcher:
             prepared3 = prefetcher.take(1)
             read_ahead = len(reads)
             res3 = drafter_step(
                 model3, samples3, objective=obj3, mode=case.mode, head_weight=head3, embed_weight=embed3, step=1,
-                bucket=case.bucket, group=group, regather=case.regather, prepared=prepared3,
+                bucket=case.bucket, group=group, options=AttentionOptions(regather=case.regather), prepared=prepared3,
             )  # fmt: skip
             reads_in_step = reads[read_ahead:].count(threading.current_thread().name)
         results.append({
@@ -178,7 +178,7 @@ def test_prepared_step_with_other_options_is_refused(results, index):
 def test_chunked_row_copy_covers_every_row_and_converts():
     """copy_rows_chunked (the pinned feature copy's loop, run here unpinned on the CPU): every row lands, in
     chunks of whole rows, for a chunk smaller than a row, uneven counts and a dtype change."""
-    from specforge_csbp.models.dflash.step import copy_rows_chunked
+    from specforge_csbp.models.dflash.features import copy_rows_chunked
 
     rows = torch.randn(37, 5, dtype=torch.float64)
     for chunk_bytes in (1, 40, 7 * 5 * 8, 10**9):

@@ -14,6 +14,7 @@ from specforge_csbp.models.dflash import (
     drafter_plans,
     make_dflash_config,
     plan_attention,
+    reference_attention,
 )
 from specforge_csbp.objectives.dflash import (
     DFlashObjective,
@@ -273,7 +274,7 @@ def test_cp_plans_hold_every_anchor_and_scale_the_loss():
     assert all(p.owned.tolist() == [0, 1, 2] and p.loss_scale == pytest.approx(1 / 3) for p in plans)
 
 
-def test_model_without_plan_equals_reference_plan():
+def test_reference_attention_equals_the_reference_plan():
     cfg = _config(dflash2=True, conv_group_size=8, selector_rank=2, selector_top_k=3)
     model = DFlash2DraftModel(cfg).double()
     with torch.no_grad():
@@ -283,7 +284,7 @@ def test_model_without_plan_equals_reference_plan():
     plan = drafter_plans("reference", L, anchors, cfg, 1)[0]
     pos = (anchors[:, None] + torch.arange(4)).reshape(-1)
     x, feats = rand(1, 12, 16), rand(1, L, 32)
-    a = model(x, pos, feats, torch.arange(L))
+    a = model(x, pos, feats, torch.arange(L), attention=reference_attention(cfg, anchors, torch.arange(L)))
     b = model(x, pos, feats, torch.arange(L), attention=plan_attention(plan))
     assert torch.allclose(a, b, rtol=0, atol=1e-12)
 

@@ -11,6 +11,7 @@ import torch
 from eval_fixtures import S, greedy_reference, random_drafter, tiny_target
 
 from specforge_csbp.eval import DraftContext, TargetRunner, run_prompts, speculative_generate, summarize
+from specforge_csbp.models.dflash import reference_attention
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,8 @@ def test_incremental_draft_equals_the_training_forward(dflash2):
         ctx.append(features[lo:hi])
         a = hi
         ids = torch.tensor([[7] + [model.mask_token_id] * (S - 1)])
-        ref = model(embed(ids), torch.arange(a, a + S), features[None, :a], torch.arange(a))[0]
+        attention = reference_attention(model.config, torch.tensor([a]), torch.arange(a))
+        ref = model(embed(ids), torch.arange(a, a + S), features[None, :a], torch.arange(a), attention)[0]
         torch.testing.assert_close(ctx.hidden(7), ref, rtol=1e-12, atol=1e-12)
 
 

@@ -17,6 +17,7 @@ from specforge_csbp.export.writer import export_drafter, load_exported
 from specforge_csbp.models.dflash.configuration import DFlashConfig, make_dflash_config
 from specforge_csbp.models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel
 from specforge_csbp.outputs import file_sha256
+from specforge_csbp.models.dflash.sharding import reference_attention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,6 +46,7 @@ def _outputs(model):
         return model.eval()(
             torch.randn(1, anchors.numel() * S, H, generator=g), positions,
             torch.randn(1, L, 2 * H, generator=g), torch.arange(L),
+            reference_attention(model.config, anchors, torch.arange(L)),
         )  # fmt: skip
 
 

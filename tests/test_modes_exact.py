@@ -87,26 +87,37 @@ def _regather_worker(rank, world, out_dir):
     """Is the gathered K/V buffer still alive after forward (held for backward)?"""
     import gc
     import time
+    import weakref
 
     import torch
 
+    from specforge_csbp.distributed import collectives
     from specforge_csbp.layout import bdlm_plan
-    from specforge_csbp.parallel import ShardedAttention
+    from specforge_csbp.parallel import AttentionOptions, ShardedAttention
 
+    buffers = []  # a weak reference to each gather's buffer: what the all-gather's start returned
+    start = collectives._Start.apply
+
+    def recording(shard, pending):
+        out = start(shard, pending)
+        buffers.append(weakref.ref(out))
+        return out
+
+    collectives._Start.apply = recording  # this spawned process only
     alive = {}
     for schedule, regather in (("overlap", False), ("overlap", True), ("fused", False)):
         plan = bdlm_plan("csbp", 32, 4, world)[rank]
-        attn = ShardedAttention(plan, 4, regather=regather, schedule=schedule)
+        attn = ShardedAttention(plan, 4, options=AttentionOptions(regather=regather, schedule=schedule))
         q = torch.randn(1, 2, len(plan.q_rows), 8, dtype=torch.float64, requires_grad=True)
         k, v = (torch.randn(1, 2, len(plan.kv_rows), 8, dtype=torch.float64, requires_grad=True) for _ in "kv")
         out, lse = attn(q, k, v)
         # a finished gloo collective's worker thread may hold the buffer a moment longer: a buffer nothing in
         # the graph holds is gone within the second, one held for backward stays
         deadline = time.monotonic() + 1.0
-        while attn.last_gather.buffer() is not None and time.monotonic() < deadline:
+        while buffers[-1]() is not None and time.monotonic() < deadline:
             gc.collect()
             time.sleep(0.01)
-        alive[f"{schedule}-{regather}"] = attn.last_gather.buffer() is not None
+        alive[f"{schedule}-{regather}"] = buffers[-1]() is not None
         out.sum().backward()  # still runs (and re-gathers) after the buffer is gone
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
         json.dump(alive, f)

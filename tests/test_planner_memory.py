@@ -16,7 +16,7 @@ from memory_probe import peak_allocated_bytes
 
 from specforge_csbp.distributed import spawn
 from specforge_csbp.layout import bdlm_plan
-from specforge_csbp.parallel import ShardedAttention
+from specforge_csbp.parallel import AttentionOptions, ShardedAttention
 from specforge_csbp.planner.memory import attention_layer_peak_bytes
 from specforge_csbp.planner.pairs import bdlm_rank_stats
 
@@ -45,7 +45,7 @@ def _measure(mode, L, S, H, Hk, D, dtype, schedule, rank, world) -> int:
     g_lse = torch.randn(1, H, len(plan.q_tokens), dtype=dtype, generator=g)
 
     def step():
-        out, lse = ShardedAttention(plan, S, schedule=schedule)(q, k, v)
+        out, lse = ShardedAttention(plan, S, options=AttentionOptions(schedule=schedule))(q, k, v)
         torch.autograd.backward([out, lse], [g_out, g_lse.to(lse.dtype)])
 
     def reset():  # every call allocates the input gradients afresh, as the first one does

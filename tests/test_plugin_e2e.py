@@ -82,6 +82,7 @@ def test_specforge_train_csbp_then_sglang_export(tmp_path):
     from specforge_csbp.export.writer import export_drafter, load_exported
     from specforge_csbp.models.dflash.modeling import DFlash2DraftModel
     from specforge_csbp.outputs import file_sha256
+    from specforge_csbp.models.dflash.sharding import reference_attention
 
     out = tmp_path / "drafter-sglang"
     result = export_drafter(str(tmp_path / "csbp-out"), str(out), to="sglang")
@@ -112,6 +113,7 @@ def test_specforge_train_csbp_then_sglang_export(tmp_path):
         positions,
         torch.randn(1, L, 2 * H, generator=g),
         torch.arange(L),
+        reference_attention(trained.config, anchors, torch.arange(L)),
     )
     with torch.no_grad():
         assert torch.equal(trained.eval()(*args), reloaded.eval()(*args))

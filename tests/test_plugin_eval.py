@@ -60,6 +60,7 @@ def make_stores(root):
 
 
 def _training_model(root):
+    from specforge_csbp.parallel import AttentionOptions
     from specforge_csbp.plugin.training_model import CSBPDrafterTrainingModel
 
     torch.manual_seed(0)
@@ -74,7 +75,7 @@ def _training_model(root):
     objective = DFlashObjective(num_anchors=5, gamma=4.0, selector_alpha=0.7, seed=4)
     return CSBPDrafterTrainingModel(
         draft, embed, head, store_path=os.path.join(root, "train"), eval_store_path=os.path.join(root, "eval"),
-        objective=objective, mode="csbp", max_len=1000, attention_backend="eager",
+        objective=objective, mode="csbp", max_len=1000, attention=AttentionOptions(backend="dense"),
     )  # fmt: skip
 
 
@@ -121,8 +122,8 @@ def evaluate(root, out_dir, rank=0, world=1):
         "weights": [p.detach().clone() for p in tm.parameters()],
         "grads": [None if p.grad is None else p.grad.clone() for p in tm.parameters()],
         "rng": torch.get_rng_state(),
-        "jobs": dict(tm._jobs), "outstanding": tm._outstanding, "stats": dict(tm.prefetch_stats),
-        "tokens": tm.tokens_trained, "last": tm.last_stats,
+        "jobs": dict(tm._jobs._jobs), "outstanding": tm._jobs._outstanding, "stats": tm.prefetch_stats,
+        "tokens": tm.tokens_trained,
     }  # fmt: skip
     controller.global_step = 2
     metrics = controller.evaluate_configured()
@@ -134,10 +135,9 @@ def evaluate(root, out_dir, rank=0, world=1):
         ),
         "rng": not torch.equal(before["rng"], torch.get_rng_state()),
         "prefetch": (before["jobs"], before["outstanding"], before["stats"])
-        != (dict(tm._jobs), tm._outstanding, dict(tm.prefetch_stats)),
+        != (dict(tm._jobs._jobs), tm._jobs._outstanding, tm.prefetch_stats),
         "tokens": before["tokens"] != tm.tokens_trained,
         "training_mode": not tm.training,
-        "last_stats": tm.last_stats is not before["last"],
     }
     tm.close()
     return metrics, changed

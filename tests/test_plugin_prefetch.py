@@ -38,6 +38,7 @@ def _worker(rank, world, out_dir):
 
     from specforge_csbp.models.dflash import prefetch
     from specforge_csbp.models.dflash.sharding import plan_attention
+    from specforge_csbp.parallel import AttentionOptions
     from specforge_csbp.plugin import groups as csbp_groups
     from specforge_csbp.plugin.training_model import CSBPDrafterTrainingModel
 
@@ -67,7 +68,7 @@ def _worker(rank, world, out_dir):
         head_mod = torch.nn.Linear(32, 61, bias=False, dtype=torch.float64)
         head_mod.weight.data.copy_(head)
         tm = CSBPDrafterTrainingModel(draft, embed_mod, head_mod, store_path=root, objective=obj, mode="csbp",
-                                      max_len=1000, attention_backend="eager", gather_ahead=gather_ahead)  # fmt: skip
+                                      max_len=1000, attention=AttentionOptions(backend="dense", gather_ahead=gather_ahead))  # fmt: skip
         mask_work = _MaskWork()
         numerator, denominator, _ = tm(sample_index=torch.tensor([rank]), global_step=1)
         in_forward = mask_work.counts.get(threading.current_thread().name, 0)
@@ -84,7 +85,7 @@ def _worker(rank, world, out_dir):
             dist.all_reduce(g)
             errors[n] = float((g - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-300))
         runs[gather_ahead] = {"errors": errors, "in_forward": in_forward, "in_worker": in_worker,
-                              "inflight": len(tm._inflight), "built_ahead": sorted(set(built_ahead))}  # fmt: skip
+                              "inflight": len(tm._jobs._held), "built_ahead": sorted(set(built_ahead))}  # fmt: skip
     prefetch.plan_attention = plan_attention
     if rank == 0:
         save_results(out_dir, {str(k).lower(): v for k, v in runs.items()})

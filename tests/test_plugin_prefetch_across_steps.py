@@ -91,6 +91,7 @@ def _run(name, root, out_dir, rank, masks, *, look_ahead, lie=None, start=None, 
     from specforge.runtime.data_plane import FeatureDataLoader, LocalFeatureStore
     from specforge.training.controller import TrainerController, TrainerCore
 
+    from specforge_csbp.parallel import AttentionOptions
     from specforge_csbp.plugin import lookahead
     from specforge_csbp.plugin.data import StoreIndexReader, build_collator, build_normalizer
     from specforge_csbp.plugin.strategy import CSBPDraftTrainStrategy
@@ -101,7 +102,7 @@ def _run(name, root, out_dir, rank, masks, *, look_ahead, lie=None, start=None, 
     head_mod = torch.nn.Linear(32, 61, bias=False, dtype=torch.float64)
     head_mod.weight.data.copy_(head)
     tm = CSBPDrafterTrainingModel(draft, embed_mod, head_mod, store_path=root, objective=obj, mode="csbp",
-                                  max_len=1000, attention_backend="eager")  # fmt: skip
+                                  max_len=1000, attention=AttentionOptions(backend="dense"))  # fmt: skip
     refs = StoreIndexReader(STRATEGY, root, run_id=name, ttt_length=7, max_len=1000).read()
     loader = FeatureDataLoader(LocalFeatureStore(name), refs=refs, batch_size=1, collate_fn=build_collator(),
                                per_sample_transform=build_normalizer(1000), drop_last=True, strategy=STRATEGY)  # fmt: skip

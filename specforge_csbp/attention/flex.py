@@ -126,8 +126,6 @@ def tile_visits(block_mask) -> int:
 
 #: row multiple at which FlexAttention's kernels can drop their bounds checks (every kernel block size divides it)
 DIVISIBLE_ROWS = 128
-#: say so when it holds (`kernel_options`); off only for A/B measurements (benchmarks/flex_layer_bench.py)
-ASSERT_DIVISIBLE = True
 
 
 def kernel_options(q_len: int, kv_len: int) -> dict[str, bool] | None:
@@ -141,7 +139,7 @@ def kernel_options(q_len: int, kv_len: int) -> dict[str, bool] | None:
     159 / 166 ms static, and 163 / 170 ms dynamic with this option (benchmarks/flex_layer_bench.py). The
     lengths are known at the call (and padded to whole tiles there), so the call states it; dynamo guards
     on the option, so a call without it gets its own kernel."""
-    if ASSERT_DIVISIBLE and q_len % DIVISIBLE_ROWS == 0 and kv_len % DIVISIBLE_ROWS == 0:
+    if q_len % DIVISIBLE_ROWS == 0 and kv_len % DIVISIBLE_ROWS == 0:
         return {"IS_DIVISIBLE": True}
     return None
 

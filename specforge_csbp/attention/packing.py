@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from ..masks.visibility import Visibility
+from .flex import block_mask_from_status, tile_status, tile_visits
 
 __all__ = ["TILE", "PackedVisibility", "TileCounts", "chunk_rows", "pack_q", "packed_visibility", "should_pack",
            "tile_counts", "unpack"]  # fmt: skip
@@ -112,8 +113,6 @@ class TileCounts:
 def tile_counts(vis: Visibility, groups: int, device: torch.device | str, *, tile: int = TILE) -> TileCounts:
     """Tile visits of `vis` and of its packed view, from one pass of the rule over chunks of c rows; the
     block masks of both are left in the caches (the flex backend then reuses them)."""
-    from .flex import block_mask_from_status, tile_status, tile_visits
-
     device = torch.device(device)
     key = ("gqa_tiles", groups, str(device), tile)
     if key in vis._cache:

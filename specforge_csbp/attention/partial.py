@@ -8,9 +8,6 @@ GQA head packing (`packing.py`) is a layout transform of the same computation: t
 head are packed into rows so FlexAttention's 128-row query tiles hold fewer distinct visibility patterns.
 `pack_gqa=None` packs on the flex backend when G > 1 and the block masks say the kernel visits fewer tiles
 x heads that way (decided once per Visibility object); dense packs only when asked (`pack_gqa=True`).
-
-Query order (`order.py`, an A/B switch, off by default) is another layout transform of the same
-computation: the kernel runs over the (packed) query rows last row first, so the heaviest tiles start first.
 """
 
 from __future__ import annotations
@@ -19,8 +16,8 @@ import torch
 
 from ..devices import device_key
 from ..masks.visibility import Visibility
-from . import order
 from .dense import dense_attention
+from .flex import block_mask_for, flex_attention_partial
 from .packing import pack_q, packed_visibility, should_pack, tile_counts, unpack
 
 __all__ = ["BACKENDS", "check_qkv", "partial_attention", "prepare_attention"]
@@ -102,11 +99,7 @@ def prepare_attention(
         target = packed_visibility(vis, groups).vis
         if backend == "flex":  # both block masks from one pass over chunks of rows (cached on vis)
             tile_counts(vis, groups, device)
-    if order.REVERSE_QUERIES:  # the kernel's rows last first (order.py); _attend flips q and out / lse
-        target = order.reversed_queries(target)
     if backend == "flex":
-        from .flex import block_mask_for
-
         block_mask_for(target, device)
     else:
         target.dense(device)
@@ -114,15 +107,6 @@ def prepare_attention(
 
 
 def _attend(q, k, v, vis: Visibility, scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    if order.REVERSE_QUERIES:  # vis is the reversed view (prepare_attention): rows in, rows back out
-        out, lse = _kernel(order.flip_rows(q), k, v, vis, scale, backend)
-        return order.flip_rows(out), order.flip_rows(lse)
-    return _kernel(q, k, v, vis, scale, backend)
-
-
-def _kernel(q, k, v, vis: Visibility, scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     if backend == "flex":
-        from .flex import flex_attention_partial
-
         return flex_attention_partial(q, k, v, vis, scale)
     return dense_attention(q, k, v, vis.dense(q.device), scale)

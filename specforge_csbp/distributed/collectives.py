@@ -26,7 +26,6 @@ The buffer is rank-major with head-major segments, so every rank's K (and V) is 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -60,8 +59,8 @@ COMM_STATS = CommStats()
 class _Pending:
     """State shared by the start/wait nodes of one gather."""
 
-    def __init__(self, group, world: int, stats: CommStats, communicate: bool, label: str = ""):
-        self.group, self.world, self.stats, self.communicate = group, world, stats, communicate
+    def __init__(self, group, world: int, stats: CommStats, label: str = ""):
+        self.group, self.world, self.stats = group, world, stats
         self.label = label  # suffix of the byte counters' names
         self.work = None
         self.grad_shard: torch.Tensor | None = None
@@ -72,11 +71,8 @@ class _Start(torch.autograd.Function):
     def forward(ctx, shard: torch.Tensor, pending: _Pending):
         ctx.pending = pending
         out = shard.new_empty((pending.world * shard.shape[0],) + tuple(shard.shape[1:]))
-        if pending.communicate:
-            pending.work = dist.all_gather_into_tensor(out, shard, group=pending.group, async_op=True)
-            pending.stats.add("all_gather" + pending.label, shard.numel() * shard.element_size() * (pending.world - 1))
-        else:  # benchmark control: same buffers and compute, no communication
-            out.view(pending.world, *shard.shape).copy_(shard.expand(pending.world, *shard.shape))
+        pending.work = dist.all_gather_into_tensor(out, shard, group=pending.group, async_op=True)
+        pending.stats.add("all_gather" + pending.label, shard.numel() * shard.element_size() * (pending.world - 1))
         return out
 
     @staticmethod
@@ -103,11 +99,8 @@ class _Wait(torch.autograd.Function):
         pending = ctx.pending
         grad = grad.contiguous()
         shard = grad.new_empty((grad.shape[0] // pending.world,) + tuple(grad.shape[1:]))
-        if pending.communicate:
-            pending.work = dist.reduce_scatter_tensor(shard, grad, group=pending.group, async_op=True)
-            pending.stats.add("reduce_scatter" + pending.label, shard.numel() * shard.element_size() * (pending.world - 1))
-        else:
-            torch.sum(grad.view(pending.world, *shard.shape), dim=0, out=shard)
+        pending.work = dist.reduce_scatter_tensor(shard, grad, group=pending.group, async_op=True)
+        pending.stats.add("reduce_scatter" + pending.label, shard.numel() * shard.element_size() * (pending.world - 1))
         pending.grad_shard = shard
         return grad, None
 
@@ -161,7 +154,6 @@ class GatherHandle:
     def _wait(self) -> torch.Tensor:
         assert self._gathered is not None, "a GatherHandle is waited for once (concat() or segments())"
         kv = _Wait.apply(self._gathered, self._pending)  # [world * 2, B, Hk, width, D], rank-major
-        self.buffer = weakref.ref(self._gathered)  # lets a caller see whether backward still holds it
         self._gathered = None  # the handle must not keep the big buffer alive
         return kv
 
@@ -182,11 +174,8 @@ class GatherHandle:
     def _gather_again(self) -> torch.Tensor:
         p, shard = self._pending, self._shard
         out = shard.new_empty((p.world * shard.shape[0],) + tuple(shard.shape[1:]))
-        if p.communicate:
-            dist.all_gather_into_tensor(out, shard, group=p.group)
-            p.stats.add("all_gather_backward" + p.label, shard.numel() * shard.element_size() * (p.world - 1))
-        else:
-            out.view(p.world, *shard.shape).copy_(shard.expand(p.world, *shard.shape))
+        dist.all_gather_into_tensor(out, shard, group=p.group)
+        p.stats.add("all_gather_backward" + p.label, shard.numel() * shard.element_size() * (p.world - 1))
         return out
 
     @contextlib.contextmanager
@@ -216,11 +205,11 @@ _REGATHER = object()
 
 
 def all_gather_rows(
-    t: torch.Tensor, group=None, *, stats: CommStats = COMM_STATS, communicate: bool = True, label: str = ""
+    t: torch.Tensor, group=None, *, stats: CommStats = COMM_STATS, label: str = ""
 ) -> torch.Tensor:
     """Every rank's `t` stacked rank-major: [world, *t.shape]; backward reduce-scatters the gradient
     (synchronous use of the same start/wait pair KVGather overlaps with compute)."""
-    pending = _Pending(group, dist.get_world_size(group), stats, communicate, label)
+    pending = _Pending(group, dist.get_world_size(group), stats, label)
     gathered = _Wait.apply(_Start.apply(t.contiguous(), pending), pending)
     return gathered.view(pending.world, *t.shape)
 
@@ -234,10 +223,10 @@ class KVGather:
     step): an index elsewhere costs a host-to-device copy per call.
     """
 
-    def __init__(self, group=None, *, stats: CommStats = COMM_STATS, communicate: bool = True):
+    def __init__(self, group=None, *, stats: CommStats = COMM_STATS):
         self.group = group
         self.world = dist.get_world_size(group)
-        self.stats, self.communicate = stats, communicate
+        self.stats = stats
 
     def start(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | slice, width: int) -> GatherHandle:
         """`rows`: the local rows to share - an index, or a slice when they are a run (no index kernels)."""
@@ -251,5 +240,5 @@ class KVGather:
         if n < width:
             kv = torch.cat([kv, kv.new_zeros(kv.shape[:3] + (width - n,) + kv.shape[4:])], dim=3)
         shard = kv  # [2, B, Hk, width, D]: this rank's segment of the buffer
-        pending = _Pending(self.group, self.world, self.stats, self.communicate)
+        pending = _Pending(self.group, self.world, self.stats)
         return GatherHandle(_Start.apply(shard, pending), shard.detach(), pending)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..distributed.collectives import CommStats
 from ..layout.plans import bdlm_plan, check_bdlm_shape
+from .options import AttentionOptions
 from .sharded_attention import ShardedAttention
 
 __all__ = ["DTYPES", "TOLERANCES", "CheckCase", "CheckResult", "run_check"]
@@ -92,8 +93,8 @@ def _run_rank(case: CheckCase, plan, group, device, stats: CommStats):
         for t, rows in ((q, rows_q), (k, rows_kv), (v, rows_kv))
     )
     attn = ShardedAttention(
-        plan, case.block_size, clean_within_block=case.clean_within_block, group=group, stats=stats,
-        schedule=case.schedule, regather=case.regather, pack_gqa=case.pack_gqa,
+        plan, case.block_size, clean_within_block=case.clean_within_block, group=group,
+        options=AttentionOptions(stats=stats, schedule=case.schedule, regather=case.regather, pack_gqa=case.pack_gqa),
     )  # fmt: skip
     out, lse = attn(lq, lk, lv)
     primary = plan.q_primary.to(device)
@@ -114,7 +115,9 @@ def _reference(case: CheckCase, device: torch.device | str = "cpu"):
     q, k, v, g_out, g_lse = (t.to(device) for t in (q, k, v, g_out, g_lse))
     plan = bdlm_plan("reference", case.seq_len, case.block_size, 1)[0]
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    attn = ShardedAttention(plan, case.block_size, clean_within_block=case.clean_within_block, backend="dense")
+    attn = ShardedAttention(
+        plan, case.block_size, clean_within_block=case.clean_within_block, options=AttentionOptions(backend="dense")
+    )
     out, lse = attn(q, k, v)
     ((out * g_out).sum() + (lse * g_lse).sum()).backward()
     result = {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}

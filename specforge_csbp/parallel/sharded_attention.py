@@ -50,25 +50,15 @@ import torch.distributed as dist
 
 from ..attention import merge_partials, partial_attention, prepare_attention
 from ..devices import device_key, stage_index
-from ..distributed.collectives import COMM_STATS, CommStats, GatherHandle, KVGather
+from ..distributed.collectives import GatherHandle, KVGather
 from ..layout.plans import ShardPlan, bdlm_plan
 from ..layout.tokens import TokenSet
 from ..masks.visibility import Visibility
+from .options import SCHEDULES, AttentionOptions, resolve_schedule
 
 __all__ = ["SCHEDULES", "ShardedAttention", "bdlm_attention", "resolve_schedule"]
 
-SCHEDULES = ("fused", "overlap")
-
-
-def resolve_schedule(schedule: str | None, regather: bool = False) -> str:
-    """None -> "fused" ("overlap" when regather); one-line errors for unknown or incompatible choices."""
-    if schedule is None:
-        return "overlap" if regather else "fused"
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
-    if regather and schedule == "fused":
-        raise ValueError("regather needs schedule 'overlap' (the fused schedule saves the concatenated K/V)")
-    return schedule
+_DEFAULTS = AttentionOptions()
 
 
 class ShardedAttention:
@@ -83,30 +73,26 @@ class ShardedAttention:
         window: int | None = None,
         noisy_causal: bool = False,
         group: dist.ProcessGroup | None = None,
-        backend: str = "auto",
-        communicate: bool = True,
-        stats: CommStats = COMM_STATS,
-        schedule: str | None = None,
-        regather: bool = False,
-        pack_gqa: bool | None = None,
+        options: AttentionOptions = _DEFAULTS,
     ):
-        schedule = resolve_schedule(schedule, regather)
+        """`options`: backend, schedule, regather, GQA packing and byte counter (parallel/options.py); the
+        rest says which rule this executor runs (window, in-block causality) over which group."""
+        schedule = options.resolved_schedule
         if plan.world_size > 1:
             group_size = dist.get_world_size(group)
             if group_size != plan.world_size:
                 raise ValueError(f"world_size: plan has {plan.world_size} ranks, process group has {group_size}")
-        self.plan, self.group, self.backend, self.schedule = plan, group, backend, schedule
+        self.plan, self.group, self.options, self.schedule = plan, group, options, schedule
         self.block_size, self.window = block_size, window
         # everything but the window, for `windowed` siblings (sliding-window layers of the same model)
-        self._settings = dict(clean_within_block=clean_within_block, noisy_causal=noisy_causal, group=group,
-                              backend=backend, communicate=communicate, stats=stats, schedule=schedule,
-                              regather=regather, pack_gqa=pack_gqa)  # fmt: skip
+        self._settings = {"clean_within_block": clean_within_block, "noisy_causal": noisy_causal, "group": group,
+                          "options": options}  # fmt: skip
         self._windowed: dict[int, ShardedAttention] = {}
-        self.regather = regather  # free gathered K/V after forward; gather again in backward
-        self.seam = dict(backend=backend, pack_gqa=pack_gqa)  # GQA head packing: None = the seam decides
+        self.regather = options.regather  # free gathered K/V after forward; gather again in backward
+        self.seam = {"backend": options.backend, "pack_gqa": options.pack_gqa}  # pack_gqa None: the seam decides
         rule = dict(clean_within_block=clean_within_block, window=window, noisy_causal=noisy_causal)
         self.local = Visibility(plan.q_tokens, plan.kv_tokens, block_size, **rule)
-        self._gather = KVGather(group, stats=stats, communicate=communicate) if plan.communicates else None
+        self._gather = KVGather(group, stats=options.stats) if plan.communicates else None
         self._shared_on: dict[torch.device, torch.Tensor] = {}  # plan.shared per device (`shared_rows`)
         # shared rows that are the first rows in order (full layers share every context row) are a slice:
         # no index to stage, no index_select forward or index_add backward
@@ -191,7 +177,7 @@ class ShardedAttention:
             return partial_attention(q, k, v, self.local, scale=scale, **self.seam)
         if gathered is None:
             gathered = self._gather.start(k, v, self.shared_rows(k.device), self.plan.gather_len)
-        handle = self.last_gather = gathered
+        handle = gathered
         if self.schedule == "fused":
             # [local ++ the other ranks' segments] copied into one K and one V, so the gathered buffer itself
             # is not saved for backward (the concatenation is); the own segment (all PAD) is left out and its
@@ -214,15 +200,12 @@ def bdlm_attention(
     *,
     group: dist.ProcessGroup | None = None,
     clean_within_block: str = "causal",
-    backend: str = "auto",
-    communicate: bool = True,
-    schedule: str | None = None,
+    options: AttentionOptions = _DEFAULTS,
 ) -> ShardedAttention:
     """This rank's attention for a BDLM sequence (`plan.q_rows` says which 2L rows it holds)."""
     world = dist.get_world_size(group) if mode != "reference" and dist.is_initialized() else 1
     rank = dist.get_rank(group) if world > 1 else 0
     plan = bdlm_plan(mode, seq_len, block_size, world)[rank]
     return ShardedAttention(
-        plan, block_size, clean_within_block=clean_within_block, group=group, backend=backend,
-        communicate=communicate, schedule=schedule,
-    )  # fmt: skip
+        plan, block_size, clean_within_block=clean_within_block, group=group, options=options
+    )

@@ -243,6 +243,7 @@ def drafter_attention_anchors(z: dict) -> torch.Tensor:
 
 def _drafter_attention_tflops(device: torch.device, z: dict) -> dict[str, float]:
     from ..models.dflash import drafter_plans, make_dflash_config, plan_attention
+    from ..parallel.options import AttentionOptions
     from .pairs import count_visible
 
     H, Hk, D, S = z["heads"], z["kv_heads"], z["head_dim"], z["block"]
@@ -255,7 +256,8 @@ def _drafter_attention_tflops(device: torch.device, z: dict) -> dict[str, float]
     )  # fmt: skip
     plan = drafter_plans("reference", z["context"], drafter_attention_anchors(z), config, 1)[0]
     backend = "flex" if device.type == "cuda" else "dense"
-    attention = plan_attention(plan, backend=backend)  # pack_gqa None: decided per mask, as in training
+    # pack_gqa None: decided per mask, as in training
+    attention = plan_attention(plan, options=AttentionOptions(backend=backend))
     fields = {"sliding_attention": "attn_window_tflops", "full_attention": "attn_draft_tflops"}
     out = {}
     for kind, layer in attention.items():

@@ -10,6 +10,7 @@
       mode: csbp      # csbp | cp (the conventional context-parallel baseline)
       gather_ahead: true # layer i + 1's context K/V gathered while layer i runs
       regather: false # true: re-gather context K/V in backward (memory at 512K-1M)
+      pack_gqa: null  # GQA head packing: true / false force it, null: decided per call from the block masks
       keep_logits_gib: auto # kept loss logits budget; auto: from the GPU's free memory (plugin/keep_logits.py)
 
 SpecForge's schema forbids unknown fields, so the `csbp:` section is taken out of the file before SpecForge
@@ -25,12 +26,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from ..parallel.options import AttentionOptions
+
 __all__ = [
     "CSBP_OF",
     "CSBP_STRATEGIES",
     "PLUGIN_STRATEGIES",
+    "SEAM_BACKENDS",
     "CSBPOptions",
     "PreparedRun",
+    "attention_options",
     "one_line",
     "prepare_run",
 ]
@@ -42,6 +47,8 @@ CSBP_STRATEGIES = ("dflash-csbp", "dflash2-csbp")
 #: everything the plugin registers: the CSBP variants plus plain data-parallel DFlash2 (the reference)
 PLUGIN_STRATEGIES = ("dflash-csbp", "dflash2-csbp", "dflash2")
 _DFLASH_FAMILY_NOT_IN_CSBP = ("domino", "dspark")
+#: training.attention_backend -> the attention seam's backend (parallel/options.py)
+SEAM_BACKENDS = {"flex_attention": "flex", "sdpa": "auto", "eager": "dense"}
 
 
 class CSBPOptions(BaseModel):
@@ -91,12 +98,27 @@ class CSBPOptions(BaseModel):
         "(less memory at 512K-1M tokens, one more all-gather per layer)",
     )
 
+    pack_gqa: bool | None = Field(
+        default=None,
+        description="GQA head packing of the drafter's attention: true / false force it on / off; unset: "
+        "decided per call from the block masks (flex only)",
+    )
+
     @field_validator("regather")
     @classmethod
     def _regather_needs_overlap(cls, regather: bool, info: ValidationInfo) -> bool:
         if regather and info.data.get("attention_schedule") == "fused":
             raise ValueError("needs csbp.attention_schedule: overlap (the fused schedule keeps the concatenated K/V)")
         return regather
+
+
+def attention_options(options: CSBPOptions, attention_backend: str) -> AttentionOptions:
+    """The one place the plugin's settings become the executors' `AttentionOptions` (parallel/options.py):
+    `csbp.*` plus SpecForge's `training.attention_backend` (unknown backends: the seam's "auto")."""
+    return AttentionOptions(
+        backend=SEAM_BACKENDS.get(attention_backend, "auto"), schedule=options.attention_schedule,
+        regather=options.regather, pack_gqa=options.pack_gqa, gather_ahead=options.gather_ahead,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,27 @@ import json
 from functools import partial
 from typing import Any
 
-from .data import FEATURE, NORMALIZER_ID, STORAGE_FORMAT, build_collator, build_normalizer, build_reader
-from .drafts import CSBP_DFLASH_KEY, DFLASH2_KEY
-from .options import CSBPOptions
+import torch
+from torch import nn
+
+from ..data.capture import has_weights, random_target
+from ..data.manifest import config_hash
+from ..data.store import FeatureStore
+from ..export.checkpoint import load_drafter_state
+from ..models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel
+from ..objectives.dflash import DFlashObjective
+from .data import (
+    FEATURE,
+    NORMALIZER_ID,
+    STORAGE_FORMAT,
+    build_collator,
+    build_normalizer,
+    build_reader,
+    check_store_path,
+)
+from .drafts import CSBP_DFLASH_KEY, DFLASH2_KEY, register_drafts, to_dflash_config
+from .options import CSBPOptions, attention_options
+from .training_model import CSBPDrafterTrainingModel
 
 __all__ = ["ALGORITHMS", "algorithm_spec", "plugin_registrations", "plugin_registry"]
 
@@ -70,8 +88,6 @@ def _device():
 
 
 def _dtype(cfg):
-    import torch
-
     return getattr(torch, cfg.model.torch_dtype)
 
 
@@ -99,11 +115,6 @@ def _mask_token_id(cfg, config) -> int:
 
 
 def build_draft(name: str, cfg, draft_config):
-    import torch
-
-    from ..models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel
-    from .drafts import register_drafts, to_dflash_config
-
     register_drafts()
     architecture = ALGORITHMS[name][2]
     config = to_dflash_config(draft_config, architecture)
@@ -115,8 +126,6 @@ def build_draft(name: str, cfg, draft_config):
         torch.manual_seed(cfg.training.seed)  # same initial drafter on every rank and in every layout
         model = cls(config)
     if cfg.model.draft_checkpoint_path:
-        from ..export.checkpoint import load_drafter_state
-
         state = load_drafter_state(cfg.model.draft_checkpoint_path)
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
@@ -130,11 +139,6 @@ def build_draft(name: str, cfg, draft_config):
 def _frozen_target_parts(cfg, target_config, manifest):
     """(embed_tokens, lm_head) of the target, frozen: from its checkpoint, or rebuilt from the seed of a
     randomly initialised target the store was captured from."""
-    import torch
-    from torch import nn
-
-    from ..data.capture import has_weights, random_target
-
     path = cfg.model.target_model_path
     if has_weights(path) or not __import__("os").path.exists(path):
         from specforge.modeling.target.target_utils import TargetEmbeddingsAndHead
@@ -162,8 +166,6 @@ def _frozen_target_parts(cfg, target_config, manifest):
 
 
 def objective_for(cfg, options: CSBPOptions, block_size: int):
-    from ..objectives.dflash import DFlashObjective
-
     blocks = cfg.training.objective_chunk_blocks
     return DFlashObjective(
         num_anchors=cfg.training.num_anchors, sampling=options.anchor_sampling,
@@ -180,10 +182,6 @@ def build_training_model(
 ):
     from specforge.algorithms.model_providers import AlgorithmModelParts
 
-    from ..data.manifest import config_hash
-    from ..data.store import FeatureStore
-    from .data import check_store_path
-    from .training_model import CSBPDrafterTrainingModel
 
     ids, hidden = list(draft_model.target_layer_ids), int(draft_model.config.hidden_size)
 
@@ -219,9 +217,8 @@ def build_training_model(
     model = CSBPDrafterTrainingModel(
         draft_model, embed, head, store_path=path,
         objective=objective_for(cfg, options, int(draft_model.block_size)),
-        mode=mode, max_len=cfg.data.max_length, attention_backend=cfg.training.attention_backend,
-        bucket=options.bucket, schedule=options.attention_schedule, regather=options.regather,
-        gather_ahead=options.gather_ahead,
+        mode=mode, max_len=cfg.data.max_length, bucket=options.bucket,
+        attention=attention_options(options, cfg.training.attention_backend),
         prefetch_features=options.prefetch_features, eval_store_path=eval_path,
     ).to(device=_device())  # fmt: skip
     return AlgorithmModelParts(model=model, capture_layers=ids)
@@ -304,8 +301,6 @@ def plugin_registrations(options: CSBPOptions | None = None):
 def plugin_registry(options: CSBPOptions | None = None):
     """SpecForge's built-in algorithms plus this plugin's (registers the drafters, too)."""
     from specforge.algorithms.builtin import builtin_algorithm_registry
-
-    from .drafts import register_drafts
 
     register_drafts()
     registry = builtin_algorithm_registry()

@@ -33,11 +33,8 @@ Every sample runs the shared per-sample step (models/dflash/step.py: `plan_sampl
 one `drafter_step` and the benchmarks run. Eval forwards (SpecForge's Evaluator; `self.training` False)
 read the eval store (`eval_store_path`, data.eval_hidden_states_path), build each sample on their own thread
 and leave the worker, its jobs and the look-ahead's build untouched, so an eval pass between two micro-steps
-changes nothing the next micro-step uses.
-Lifetime (prefetch.py): a micro-step's prepared masks stay referenced until the next micro-step starts
-(its backward launched by then), and they are dropped only after the build that was submitted before that
-backward - the look-ahead - has finished (taken, or waited for and dropped); every other running build was
-submitted after it, so the side stream already waits for the backward's kernels.
+changes nothing the next micro-step uses. The jobs' numbering and when a micro-step's prepared masks may be
+freed are plugin/prefetch_jobs.py's (`PrefetchJobs`, which enforces the lifetime rules).
 """
 
 from __future__ import annotations
@@ -46,13 +43,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..data.store import FeatureStore
+from ..models.dflash.features import DrafterSample
+from ..models.dflash.prefetch import FeatureLoad, PreparedStep, StepPrefetcher, build_work
+from ..models.dflash.step import STAT_KEYS, plan_sample, sample_terms
+from ..parallel.options import AttentionOptions
 from . import groups as csbp_groups
 from . import lookahead
+from .prefetch_jobs import PrefetchJobs
 
-__all__ = ["BACKENDS", "EVAL_ANCHOR_STEP", "CSBPDrafterTrainingModel"]
-
-#: training.attention_backend -> the attention seam's backend
-BACKENDS = {"flex_attention": "flex", "sdpa": "auto", "eager": "dense"}
+__all__ = ["EVAL_ANCHOR_STEP", "CSBPDrafterTrainingModel"]
 #: eval forwards draw their anchors as at this step, whatever the global step: every eval pass scores the
 #: same blocks, so successive evals compare (the loss weights still follow the global step)
 EVAL_ANCHOR_STEP = 0
@@ -69,11 +69,8 @@ class CSBPDrafterTrainingModel(nn.Module):
         objective,
         mode: str,
         max_len: int,
-        attention_backend: str = "sdpa",
+        attention: AttentionOptions | None = None,
         bucket: int = 1,
-        schedule: str | None = None,
-        regather: bool = False,
-        gather_ahead: bool = True,
         prefetch_features: bool = True,
         eval_store_path: str | None = None,
     ) -> None:
@@ -83,29 +80,21 @@ class CSBPDrafterTrainingModel(nn.Module):
         self.embed_tokens = embed_tokens.requires_grad_(False)
         self.lm_head = lm_head.requires_grad_(False)
         self.store_path, self.objective, self.mode, self.max_len = store_path, objective, mode, int(max_len)
-        self.backend = BACKENDS.get(attention_backend, "auto")
+        # how the executors run (parallel/options.py; from the csbp section: plugin/options.attention_options)
+        self.attention = AttentionOptions() if attention is None else attention
         self.bucket = int(bucket)
-        self.schedule, self.regather = schedule, bool(regather)  # ShardedAttention's (None: fused)
-        self.gather_ahead = bool(gather_ahead)  # LayerAttention.gather_ahead (CSBP layers that gather)
         # the prefetch worker also reads a sample's features from the store and copies them (side stream)
         self.prefetch_features = bool(prefetch_features)
         self._store = None
         self.eval_store_path, self._eval_store = eval_store_path or None, None
         self.tokens_trained = 0  # tokens of the samples this rank's CP group trained (host count)
-        self._inflight: list = []  # this micro-step's prepared masks (kept until the next one starts)
-        # one prefetch worker across micro-steps: job number -> (store index, global step, groups)
-        self._prefetch = None
-        self._jobs: dict[int, tuple] = {}
-        self._outstanding: int | None = None  # the newest submitted job nobody has taken yet
-        self.prefetch_stats = {"ahead_used": 0, "ahead_discarded": 0}
-        self.last_stats: dict[str, float | torch.Tensor] = {}  # per-micro-step sums (device tensors)
+        self._prefetch: StepPrefetcher | None = None  # one worker across micro-steps
+        self._jobs = PrefetchJobs()  # its numbered jobs and the lifetime of what they built
 
     # -- data -----------------------------------------------------------------------------------------
     @property
     def store(self):
         if self._store is None:
-            from ..data.store import FeatureStore
-
             self._store = FeatureStore(self.store_path, verify="lazy")
         return self._store
 
@@ -115,8 +104,6 @@ class CSBPDrafterTrainingModel(nn.Module):
         if self.eval_store_path is None:
             return self.store
         if self._eval_store is None:
-            from ..data.store import FeatureStore
-
             self._eval_store = FeatureStore(self.eval_store_path, verify="trust")
         return self._eval_store
 
@@ -152,8 +139,6 @@ class CSBPDrafterTrainingModel(nn.Module):
         """Sample `index`'s device-free part (tokens, anchors, this rank's plan, block targets: the shared
         `plan_sample`) as the one-item work list StepPrefetcher builds attention for (in its worker thread,
         or `_build_here`). `store`: the eval store for eval forwards (default: the training store)."""
-        from ..models.dflash.step import DrafterSample, plan_sample
-
         store = self.store if store is None else store
         entry = store.manifest.samples[index]
         input_ids, loss_mask = store.read_tokens(entry.id)
@@ -171,64 +156,49 @@ class CSBPDrafterTrainingModel(nn.Module):
 
     def _sample(self, prepared, step: int):
         """One prepared sample through the shared per-sample step (`models/dflash/step.sample_terms`)."""
-        from ..models.dflash import step as dflash_step
-
         prepared.wait()  # masks and staged indices (prefetch.py build_work): the step copies no index
         (sample, plan, blocks) = prepared.work[0]
-        return dflash_step.sample_terms(
+        return sample_terms(
             self.draft_model, sample, plan, blocks, objective=self.objective, head_weight=self.lm_head.weight,
             embed_weight=self.embed_tokens.weight, step=step, attention=prepared.attention[0],
             staged=prepared.indices[0], features=prepared.features[0] if prepared.features else None,
         )  # fmt: skip
 
     # -- one micro-step ---------------------------------------------------------------------------------
-    def _prefetcher_for(self, options, heads_per_kv: int):
+    def _prefetcher_for(self, groups, heads_per_kv: int):
         """The one worker (and side stream) of this module, kept across micro-steps."""
-        from ..models.dflash.prefetch import FeatureLoad, StepPrefetcher
-
-        if self._prefetch is not None and self._prefetch.options != options:
+        if self._prefetch is not None and self._prefetch.group is not groups.cp_group:
             self.close()  # waits for a running build before its masks' memory could be reused
         if self._prefetch is None:
             draft = self.draft_model
             features = FeatureLoad(draft.fc.weight.dtype, draft.fc.in_features) if self.prefetch_features else None
             self._prefetch = StepPrefetcher(
-                self._prepare_job, options, device=self.lm_head.weight.device, groups=heads_per_kv,
-                features=features,
+                self._prepare_job, self.attention, device=self.lm_head.weight.device, groups=heads_per_kv,
+                group=groups.cp_group, features=features,
             )  # fmt: skip
         return self._prefetch
 
     def _prepare_job(self, job: int) -> list:
         """Prefetch job `job`'s work list (worker thread); a job never registered builds nothing."""
-        registered = self._jobs.get(job)
+        registered = self._jobs.job(job)
         return [] if registered is None else self._prepare(*registered)
 
-    def _build_here(self, index: int, step: int, groups, options, heads_per_kv: int):
-        """Sample `index` built on this thread and the current stream: nothing built it ahead."""
-        from ..models.dflash.prefetch import PreparedStep, build_work
-
-        work = self._prepare(index, step, groups)
-        attention, indices, _ = build_work(work, options, self.lm_head.weight.device, heads_per_kv)
-        return PreparedStep(work, options, attention, indices=indices)
-
-    def _take(self, prefetcher, job: int):
-        """Job `job` from the worker; the prefetcher then starts job + 1 (registered or empty)."""
-        try:
-            return prefetcher.take(job)
-        finally:
-            self._outstanding = job + 1  # the newest submitted build nobody has taken yet
+    def _build_here(self, key: tuple, heads_per_kv: int, *, store=None) -> PreparedStep:
+        """Sample `key` = (store index, step, groups) built on this thread and the current stream."""
+        index, step, groups = key
+        work = self._prepare(index, step, groups, store=store)
+        attention, indices, _ = build_work(
+            work, self.attention, self.lm_head.weight.device, heads_per_kv, group=groups.cp_group
+        )
+        return PreparedStep(work, self.attention, attention, indices=indices, group=groups.cp_group)
 
     def forward(self, sample_index: torch.Tensor | list[int], global_step: int = 0):
-        """One micro-step; its first sample was built during the previous micro-step when the look-ahead
-        announced it (plugin/lookahead.py), later samples while the one before runs.
-
-            jobs (one worker, numbered):   micro-step i: first .. first+n-1    look-ahead: first+n
-            micro-step i + 1 starts:       (sample, step) == the look-ahead's?  yes: take it (built)
-                                                                                no: discard it, build here
-        """
+        """One micro-step: the CP group's samples, each built ahead by the worker where it could be
+        (plugin/prefetch_jobs.py: the look-ahead built the first during the previous micro-step when
+        plugin/lookahead.py announced it, later ones are built while the one before runs)."""
         if not self.training:
             return self._eval_forward(sample_index, int(global_step))
-        groups = csbp_groups.current()
-        step = int(global_step)
+        groups, step = csbp_groups.current(), int(global_step)
         source = lookahead.current()
         announced = source.next_batch(step) if source is not None else None
         indices, next_indices = self._gather_indices(
@@ -236,73 +206,29 @@ class CSBPDrafterTrainingModel(nn.Module):
         )
         _ = self.store  # opened here, not first in the worker thread
         self.tokens_trained += self._tokens(self.store, indices)
-        options, heads_per_kv = self._options(groups)
-        prefetcher = self._prefetcher_for(options, heads_per_kv)
-        n, outstanding = len(indices), self._outstanding
-        built = None if outstanding is None else self._jobs.get(outstanding)
-        hit = built is not None and built[:2] == (indices[0], step)
-        # a miss leaves outstanding + 1 unregistered: taking the stale job starts it, and it builds nothing
-        first = outstanding if hit else (-1 if outstanding is None else outstanding) + 2
-        for j in range(1, n):
-            self._jobs[first + j] = (indices[j], step, groups)
-        if next_indices is not None:  # the next micro-step's first sample, built while this one's last runs
-            self._jobs[first + n] = (next_indices[0], announced[1], groups)
-        if hit:
-            prepared = self._take(prefetcher, first)
-            self.prefetch_stats["ahead_used"] += 1
-        elif outstanding is not None:
-            # a build for a micro-step that is not this one: wait for it (it may still be allocating), drop it
-            if built is not None:
-                self.prefetch_stats["ahead_discarded"] += 1
-            try:
-                self._take(prefetcher, outstanding)
-            except Exception:  # noqa: BLE001, S110 - the error of a step that does not run is not this step's
-                pass
-        # The previous micro-step's masks go now: its backward has been launched, and every build still
-        # running was submitted after that launch (prefetch.py, "Lifetime"). This micro-step's stay until
-        # the next one starts, after its backward was launched.
-        self._inflight = []
-        if not hit:
-            prefetcher.submit(first + 1)  # sample 1, or the look-ahead: built while sample 0 runs
-            self._outstanding = first + 1
-            prepared = self._build_here(indices[0], step, groups, options, heads_per_kv)
-        for job in [k for k in self._jobs if k < first]:
-            del self._jobs[job]
-        outs = []
-        for j in range(n):
-            if j > 0:  # built in the worker while sample j - 1 ran; job first + j + 1 starts now
-                prepared = self._take(prefetcher, first + j)
-            self._inflight.append(prepared)
-            outs.append(self._sample(prepared, step))
-        numerator, denominator, totals = self._sum(outs)
-        self.last_stats = totals
-        return numerator, denominator, totals
+        heads_per_kv = self._heads_per_kv()
+        prefetcher = self._prefetcher_for(groups, heads_per_kv)
+        keys = [(index, step, groups) for index in indices]
+        look_ahead = None if next_indices is None else (next_indices[0], announced[1], groups)
+        built = self._jobs.micro_step(prefetcher, keys, look_ahead, lambda key: self._build_here(key, heads_per_kv))
+        return self._sum([self._sample(prepared, step) for prepared in built])
 
     def _eval_forward(self, sample_index: torch.Tensor, step: int):
         """One eval micro-step over the eval store: the same per-sample step, built on this thread; the
         prefetch worker, its jobs and the look-ahead's build are left as they are (eval changes no training
         state), and anchors are drawn as at `EVAL_ANCHOR_STEP` (every eval pass scores the same blocks)."""
-        from ..models.dflash.prefetch import PreparedStep, build_work
-
         groups = csbp_groups.current()
         indices, _ = self._gather_indices(sample_index, groups)
-        options, heads_per_kv = self._options(groups)
-        device, outs = self.lm_head.weight.device, []
-        for index in indices:
-            work = self._prepare(index, EVAL_ANCHOR_STEP, groups, store=self.eval_store)
-            attention, staged, _ = build_work(work, options, device, heads_per_kv)
-            outs.append(self._sample(PreparedStep(work, options, attention, indices=staged), step))
-        return self._sum(outs)
-
-    def _options(self, groups):
-        from ..models.dflash.prefetch import AttentionOptions
-
-        config = self.draft_model.config
-        options = AttentionOptions(
-            group=groups.cp_group, backend=self.backend, regather=self.regather, schedule=self.schedule,
-            gather_ahead=self.gather_ahead,
+        heads_per_kv = self._heads_per_kv()
+        built = (
+            self._build_here((index, EVAL_ANCHOR_STEP, groups), heads_per_kv, store=self.eval_store)
+            for index in indices
         )
-        return options, config.num_attention_heads // config.num_key_value_heads
+        return self._sum([self._sample(prepared, step) for prepared in built])
+
+    def _heads_per_kv(self) -> int:
+        config = self.draft_model.config
+        return config.num_attention_heads // config.num_key_value_heads
 
     def _tokens(self, store, indices: list[int]) -> int:
         """Tokens of the group's samples (host manifest lengths, capped at max_len: no device sync)."""
@@ -310,8 +236,6 @@ class CSBPDrafterTrainingModel(nn.Module):
 
     def _sum(self, outs: list) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(sum of numerators, sum of denominator shares, summed stats) of a micro-step's samples."""
-        from ..models.dflash.step import STAT_KEYS
-
         numerator, denominator = None, 0.0
         totals: dict = dict.fromkeys(STAT_KEYS, 0.0)
         for out in outs:
@@ -326,9 +250,15 @@ class CSBPDrafterTrainingModel(nn.Module):
         # a fill kernel: a host-to-device copy of the scalar would wait for the stream (pageable memory)
         return numerator, numerator.new_full((), float(denominator)).detach(), totals
 
+    @property
+    def prefetch_stats(self) -> dict[str, int]:
+        """Micro-steps whose first sample the look-ahead built (`ahead_used`), and look-ahead builds for
+        another sample, waited for and dropped (`ahead_discarded`)."""
+        return {"ahead_used": self._jobs.ahead_used, "ahead_discarded": self._jobs.ahead_discarded}
+
     def close(self) -> None:
         """Stop the prefetch worker (waits for a running build); the next forward starts a new one."""
         if self._prefetch is not None:
             self._prefetch.close()
-        self._prefetch, self._outstanding = None, None
-        self._jobs.clear()
+        self._prefetch = None
+        self._jobs.reset()

@@ -16,6 +16,8 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ..errors import format_validation_error, load_yaml
+
 __all__ = [
     "ParallelConfig",
     "Section",
@@ -144,25 +146,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def format_validation_error(err: ValidationError) -> str:
-    """One line: the first error's dotted location, message and input (+ how many more)."""
-    first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"]) or "recipe"
-    msg = first["msg"].removeprefix("Value error, ")
-    more = len(err.errors()) - 1
-    shown = repr(first.get("input"))
-    text = f"{loc}: {msg}" + (
-        f" (got {shown[:60]})" if first["type"] != "missing" and "input" in first else ""
-    )
-    return text + (f" (and {more} more)" if more else "")
-
-
 def load_recipe(cls: type[R], path: str | Path | None, overrides: list[str] = ()) -> R:
     """YAML file (optional) + overrides -> validated recipe; ValueError with one line on any problem."""
     data: dict[str, Any] = {}
     if path is not None:
-        from ..errors import load_yaml
-
         loaded = load_yaml(path, "config")  # one line naming the file and the line of a YAML or UTF-8 error
         if loaded is not None and not isinstance(loaded, dict):
             raise ValueError(f"config: {path} must hold a mapping of sections")

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...masks.visibility import CLEAN_RULES
-from ...parallel import ShardedAttention, bdlm_attention
+from ...parallel import AttentionOptions, ShardedAttention, bdlm_attention
 from .routing import ATTENTION_NAME, ROUTE_KWARG, Route, check_routable, register_attention
 
 __all__ = ["BDLMModel"]
@@ -160,15 +160,14 @@ class BDLMModel(nn.Module):
             self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def attention(
-        self, mode: str, seq_len: int, group: dist.ProcessGroup | None = None, *, communicate: bool = True
+        self, mode: str, seq_len: int, group: dist.ProcessGroup | None = None
     ) -> ShardedAttention:
-        """This rank's executor for sequences of `seq_len` clean tokens (cached: masks are built once).
-        `communicate=False` is the benchmarks' control: same buffers and compute, no collectives."""
-        key = (mode, seq_len, group, self.backend, self.schedule, communicate)
+        """This rank's executor for sequences of `seq_len` clean tokens (cached: masks are built once)."""
+        key = (mode, seq_len, group, self.backend, self.schedule)
         if key not in self._attention:
             self._attention[key] = bdlm_attention(
                 mode, seq_len, self.block_size, group=group, clean_within_block=self.clean_within_block,
-                backend=self.backend, communicate=communicate, schedule=self.schedule,
+                options=AttentionOptions(backend=self.backend, schedule=self.schedule),
             )  # fmt: skip
             self._seq_lens[self._attention[key]] = seq_len
         return self._attention[key]

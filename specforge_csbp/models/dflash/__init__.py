@@ -3,16 +3,19 @@
 configuration.py  DFlashConfig (Qwen3 config + block_size, num_target_layers, dflash_config)
 conv.py           DFlash2 grouped dynamic depthwise convolution (causal inside a block)
 selector.py       DFlash2 low-rank candidate selector
+layer_attention.py  LayerAttention: what a layer attends with (the model is handed it; sharding.py builds it)
 modeling.py       DFlashDraftModel / DFlash2DraftModel (attention is a callable per layer type)
 sharding.py       per-rank plans of one step: reference / dp / cp / csbp
+features.py       DrafterSample and load_context: the context feature rows a rank reads
 step.py           one step's forward + backward in any mode
 prefetch.py       the next step's plans and attention masks, built while this step runs
 """
 
+from ...parallel.options import AttentionOptions
 from .configuration import DFLASH2_ARCH, DFLASH_ARCH, DFlashConfig, build_target_layer_ids, make_dflash_config
 from .conv import DFlashGroupedConv
 from .modeling import DFlash2DraftModel, DFlashDraftModel, LayerAttention
-from .prefetch import AttentionOptions, PreparedStep, StepPrefetcher
+from .prefetch import PreparedStep, StepPrefetcher
 from .selector import CandidateSelector
 from .sharding import (
     DRAFTER_MODES,

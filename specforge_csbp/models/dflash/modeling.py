@@ -11,7 +11,8 @@ Who sees what is the one visibility rule (masks/visibility.py): a block's querie
 < anchor and their own block; sliding layers add a window and (unless is_causal = false) causality inside
 the block. The attention itself is a callable per layer type, `attend(q, k, v) -> (out, lse)` over the
 kv rows [selected context rows ; block rows] - a `ShardedAttention` of the step's plan (sharding.py), so
-the same model runs the reference, DP, CP and CSBP. Without one, the model builds the single-process plan.
+the same model runs the reference, DP, CP and CSBP. The caller always hands it in (layer_attention.py): the
+single-process one is `sharding.reference_attention`; the model never builds a plan for itself.
 
 Index inputs (position ids, context positions, `LayerAttention.ctx_index`) are used where they are when
 they already live on the computation's device - a prepared step stages them there ahead of time
@@ -20,9 +21,7 @@ they already live on the computation's device - a prepared step stages them ther
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -32,40 +31,10 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RotaryEmbedd
 
 from .configuration import DFLASH2_ARCH, DFLASH_ARCH, DFlashConfig
 from .conv import DFlashGroupedConv
+from .layer_attention import Attend, LayerAttention, LayerContext
 from .selector import CandidateSelector
 
-if TYPE_CHECKING:  # annotation only: the model runs with any attend callable
-    from ...distributed.collectives import GatherHandle
-
 __all__ = ["DFlash2DraftModel", "DFlashDraftModel", "DFlashPreTrainedModel", "LayerAttention", "LayerContext"]
-
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class LayerAttention:
-    """What one layer type attends with: `attend(q, k, v)` and which context rows feed its K/V.
-
-    `gather_ahead`: `attend` has `begin(k_ctx, v_ctx) -> handle` (parallel/sharded_attention.py) and the
-    model calls it for layer i + 1 before it runs layer i, so the context K/V's all-gather runs behind
-    layer i instead of in front of layer i + 1's attention (a layer's context K/V depend on the target
-    features only):
-
-        ctx K/V(0), begin(0) | ctx K/V(1), begin(1) | layer 0 (waits 0) | ctx K/V(2), begin(2) | layer 1 ...
-    """
-
-    attend: Attend
-    ctx_index: torch.Tensor | None = None  # rows of the (local) context; None = all of them
-    gather_ahead: bool = False
-
-
-@dataclass(frozen=True)
-class LayerContext:
-    """One layer's context K/V computed ahead, and the gather `begin` started from them (None: none)."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    gathered: GatherHandle | None = None
 
 
 def _on(index: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -255,24 +224,19 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         position_ids: torch.Tensor,
         target_hidden: torch.Tensor | Sequence[torch.Tensor],
         context_position_ids: torch.Tensor,
-        attention: Mapping[str, LayerAttention] | None = None,
+        attention: Mapping[str, LayerAttention],
     ) -> torch.Tensor:
         """noise_embedding [B, N*S, H] (target embeddings of [anchor, MASK...] per block), position_ids [N*S],
         target_hidden [B, Nc, K*H] context features (or its consecutive pieces) at context_position_ids [Nc]
         -> hidden [B, N*S, H].
 
-        `attention` maps each layer type to its LayerAttention; None builds the single-process reference
-        (anchors read from position_ids[::block_size]).
+        `attention` maps each layer type to its LayerAttention: the step's plan (sharding.plan_attention) or
+        the single-process reference (sharding.reference_attention(config, position_ids[::block_size],
+        context_position_ids)).
         """
         if noise_embedding.shape[1] % self.block_size:
             raise ValueError(
                 f"noise_embedding rows ({noise_embedding.shape[1]}) must be whole blocks of {self.block_size}"
-            )
-        if attention is None:
-            from .sharding import reference_attention
-
-            attention = reference_attention(
-                self.config, position_ids[:: self.block_size], context_position_ids
             )
         ctx = self.project_context(target_hidden)
         x = noise_embedding

@@ -27,9 +27,10 @@ a later build from overwriting it while main-stream kernels still read it:
   - the caller keeps a PreparedStep referenced until every kernel that reads its masks has been launched
     (its step's backward included); freeing it while a build submitted before those launches still runs
     needs a sync first (those kernels done).
-A loop over drafter_step keeps both: the step ends with a sync for its metrics before its PreparedStep goes.
-The plugin (plugin/training_model.py) frees a micro-step's PreparedSteps when the next micro-step starts,
-after its backward was launched and with no build running.
+StepPrefetcher enforces the first (`_build`). A loop over drafter_step keeps the second: the step ends with a
+sync for its metrics before its PreparedStep goes. The plugin's `PrefetchJobs` (plugin/prefetch_jobs.py)
+enforces it across micro-steps: it holds a micro-step's PreparedSteps until the next one starts and drops
+them only after the look-ahead's build has finished.
 """
 
 from __future__ import annotations
@@ -46,34 +47,13 @@ import torch
 import torch.distributed as dist
 
 from ...devices import device_key, stage_index
-from ...distributed.collectives import COMM_STATS, CommStats
 from ...objectives.dflash import BlockTargets, LossIndex, loss_index
-from .modeling import LayerAttention
+from ...parallel.options import AttentionOptions
+from .features import load_context
+from .layer_attention import LayerAttention
 from .sharding import DrafterPlan, plan_attention, prepare_plan_attention
 
-__all__ = ["AttentionOptions", "FeatureLoad", "PreparedStep", "StagedIndices", "StepPrefetcher", "build_work", "stage_indices"]
-
-
-@dataclass(frozen=True)
-class AttentionOptions:
-    """How a step's attention executors are built (`plan_attention`'s keywords); a prepared step is only
-    used by a step that asks for the same options."""
-
-    group: dist.ProcessGroup | None = None
-    backend: str = "auto"
-    communicate: bool = True
-    stats: CommStats | None = field(default=None, compare=False)  # where bytes are counted (None: COMM_STATS)
-    regather: bool = False
-    schedule: str | None = None
-    pack_gqa: bool | None = None
-    gather_ahead: bool = True
-
-    def build(self, plan: DrafterPlan) -> dict[str, LayerAttention]:
-        return plan_attention(
-            plan, group=self.group, backend=self.backend, communicate=self.communicate,
-            stats=COMM_STATS if self.stats is None else self.stats,
-            regather=self.regather, schedule=self.schedule, pack_gqa=self.pack_gqa, gather_ahead=self.gather_ahead,
-        )  # fmt: skip
+__all__ = ["FeatureLoad", "PreparedStep", "StagedIndices", "StepPrefetcher", "build_work", "stage_indices"]
 
 
 @dataclass(frozen=True)
@@ -123,17 +103,21 @@ def stage_indices(plan: DrafterPlan, blocks: BlockTargets, device: torch.device 
 
 
 def build_work(
-    work: list, options: AttentionOptions, device: torch.device | str, groups: int, features: FeatureLoad | None = None
+    work: list,
+    options: AttentionOptions,
+    device: torch.device | str,
+    groups: int,
+    features: FeatureLoad | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
 ) -> tuple[list[dict[str, LayerAttention]], list[StagedIndices], list[list[torch.Tensor]]]:
-    """Per work item (sample, plan, block targets): its attention with every mask built, its indices
-    staged on `device` (on the current stream), for `groups` query heads per kv head, and with `features`
-    its context features loaded (else an empty list)."""
-    from .step import load_context  # step.py imports this module
-
+    """Per work item (sample, plan, block targets): its attention over `group` with every mask built, its
+    indices staged on `device` (on the current stream), for `groups` query heads per kv head, and with
+    `features` its context features loaded (else an empty list)."""
     attention, indices, loaded = [], [], []
     for sample, plan, blocks in work:
         staged = stage_indices(plan, blocks, device)
-        layer_attention = staged.with_context_rows(options.build(plan))
+        layer_attention = staged.with_context_rows(plan_attention(plan, group=group, options=options))
         prepare_plan_attention(layer_attention, device, groups)  # masks and gather rows
         attention.append(layer_attention)
         indices.append(staged)
@@ -154,6 +138,14 @@ class PreparedStep:
     ready: torch.cuda.Event | None = None  # recorded on the side stream after the last mask and copy
     indices: list[StagedIndices] = field(default_factory=list)
     features: list[list[torch.Tensor]] = field(default_factory=list)  # per item, when a FeatureLoad asked
+    group: dist.ProcessGroup | None = None  # the process group its executors gather over
+
+    def check_for(self, options: AttentionOptions, group: dist.ProcessGroup | None) -> None:
+        """One-line error when a step asks for other options or another group than this was built for."""
+        if self.options != options:
+            raise ValueError(f"prepared: built with {self.options}, but this step asks for {options}")
+        if self.group is not group:
+            raise ValueError("prepared: built for another process group than this step's")
 
     def wait(self) -> None:
         """Make the current stream wait for the masks and indices (on the GPU: the host does not block)."""
@@ -164,8 +156,8 @@ class PreparedStep:
 class StepPrefetcher:
     """`take(i)` returns step i prepared and starts preparing step i + 1 in the worker.
 
-    `prepare(i)` is the step's device-free part (`prepare_step`); `options` builds the executors; `groups`
-    is query heads per kv head (for the packed masks); `device` is where the masks live. `masks=False`
+    `prepare(i)` is the step's device-free part (`prepare_step`); `options` and `group` build the executors;
+    `groups` is query heads per kv head (for the packed masks); `device` is where the masks live. `masks=False`
     prepares the work items only (the step then builds its attention itself). `features` loads each item's
     context features ahead as well (`FeatureLoad`).
     """
@@ -177,11 +169,12 @@ class StepPrefetcher:
         *,
         device: torch.device | str,
         groups: int,
+        group: dist.ProcessGroup | None = None,
         masks: bool = True,
         features: FeatureLoad | None = None,
     ) -> None:
         self.prepare, self.options, self.groups, self.masks = prepare, options, int(groups), bool(masks)
-        self.features = features
+        self.group, self.features = group, features
         self.device = device_key(device)
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="csbp-prefetch")
@@ -190,15 +183,17 @@ class StepPrefetcher:
     def _build(self, step: int, after: torch.cuda.Event | None) -> PreparedStep:
         work = self.prepare(step)
         if not self.masks:
-            return PreparedStep(work, self.options, [])
+            return PreparedStep(work, self.options, [], group=self.group)
         with contextlib.ExitStack() as gpu:
             if self._side is not None:  # the current device and stream are per thread: set both here
                 gpu.enter_context(torch.cuda.device(self.device))
                 gpu.enter_context(torch.cuda.stream(self._side))
                 self._side.wait_event(after)  # memory freed before the submit may be reused (module doc)
-            attention, indices, features = build_work(work, self.options, self.device, self.groups, self.features)
+            attention, indices, features = build_work(
+                work, self.options, self.device, self.groups, self.features, group=self.group
+            )
             ready = self._side.record_event() if self._side is not None else None
-        return PreparedStep(work, self.options, attention, ready, indices, features)
+        return PreparedStep(work, self.options, attention, ready, indices, features, self.group)
 
     def submit(self, step: int) -> None:
         if step not in self._pending:

@@ -36,12 +36,13 @@ import torch
 import torch.distributed as dist
 
 from ...attention import merge_partials
-from ...distributed.collectives import COMM_STATS, CommStats, all_gather_rows
+from ...distributed.collectives import CommStats, all_gather_rows
 from ...layout import CLEAN, NOISY, ShardPlan, TokenSet, ZigzagShards, assign_dual_end, assign_near_home
 from ...layout.plans import build_plans, check_mode
+from ...parallel.options import AttentionOptions
 from ...parallel.sharded_attention import ShardedAttention
 from .configuration import DFlashConfig
-from .modeling import LayerAttention
+from .layer_attention import LayerAttention
 
 __all__ = [
     "DRAFTER_MODES",
@@ -50,6 +51,7 @@ __all__ = [
     "MergedAttention",
     "anchor_costs",
     "drafter_plans",
+    "layer_rule",
     "own_anchor_runs",
     "own_anchors_near_context",
     "plan_attention",
@@ -229,6 +231,112 @@ def _context_shards(
     ]
 
 
+def layer_rule(config: DFlashConfig, kind: str) -> tuple[int | None, bool]:
+    """(window, noisy_causal) of a layer type: a sliding layer sees `sliding_window` context keys and is
+    causal inside its block unless `is_causal` is false; a full layer sees all context, bidirectionally."""
+    window = config.sliding_window if kind == "sliding_attention" else None
+    return window, config.sliding_layers_causal if window is not None else False
+
+
+def _check_inputs(mode: str, world_size: int, bucket: int, anchors: torch.Tensor, seq_len: int) -> None:
+    check_mode(mode, DRAFTER_MODES)
+    if mode in ("reference", "dp") and world_size != 1:
+        raise ValueError(f"mode {mode!r} plans one sequence on one rank (world_size 1); got {world_size}")
+    if bucket < 1:
+        raise ValueError(f"bucket must be >= 1; got {bucket}")
+    if anchors.numel() == 0:
+        raise ValueError("anchors: a drafter step needs at least one anchor")
+    if int(anchors.max()) >= seq_len - 1 or int(anchors.min()) < 0:
+        raise ValueError(
+            f"anchors must lie in [0, seq_len - 1) = [0, {seq_len - 1}); got {anchors.min()}..{anchors.max()}"
+        )
+
+
+def _owners(mode: str, anchors: torch.Tensor, config: DFlashConfig, world_size: int, seq_len: int) -> list[torch.Tensor]:
+    """Per rank, the indices of the anchors whose blocks it computes: CSBP owns them (windows local where the
+    load allows it - only sliding-window layers can gather less), every other mode computes all of them."""
+    if mode != "csbp":
+        return [torch.arange(anchors.numel())] * world_size
+    near = "sliding_attention" in config.layer_types and world_size > 1
+    owned = own_anchors_near_context(anchors, config, world_size, seq_len) if near else None
+    return owned or own_anchor_runs(anchors, config, world_size)
+
+
+@dataclass(frozen=True)
+class _RankBlocks:
+    """One rank's draft blocks: their query rows (global numbering), tokens, and the tokens of their own keys."""
+
+    q_rows: torch.Tensor
+    q_tokens: TokenSet
+    own_keys: TokenSet
+
+
+def _rank_blocks(anchors: torch.Tensor, owned: torch.Tensor, seq_len: int, S: int, count_keys: bool) -> _RankBlocks:
+    """`count_keys` False (CP beyond rank 0): the blocks' own keys are everywhere but must count once in the
+    merged output, so they are PAD here."""
+    q_rows = seq_len + (owned[:, None] * S + torch.arange(S)).reshape(-1)
+    q_tok = _block_tokens(anchors, owned, S)
+    keys = q_tok if count_keys else q_tok.masked(torch.ones(len(q_tok), dtype=torch.bool))
+    return _RankBlocks(q_rows, q_tok, keys)
+
+
+def _window_rows(
+    in_shard: torch.Tensor, ctx_pos: torch.Tensor, own_need: torch.Tensor, other_need: torch.Tensor | None, bucket: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sliding layer's context rows on one rank: (positions kept, their rows in the local context, the shared
+    ones' rows in the kept). Kept: rows of the shard some anchor's window needs (own, or - when K/V are shared,
+    `other_need` not None - another rank's), padded to a multiple of `bucket` with rows nobody's window needs."""
+    needed = in_shard & (own_need | (other_need if other_need is not None else False))
+    keep_mask = _padded(needed, in_shard & ~needed, bucket)
+    share_mask = in_shard & other_need if other_need is not None else torch.zeros_like(in_shard)
+    if other_need is not None:  # padding rows: in no other rank's window
+        share_mask = _padded(share_mask, keep_mask & ~share_mask, bucket)
+    keep = torch.nonzero(keep_mask).flatten()
+    # rows of positions by lookup, not binary search (5x faster at 512K): both are subsets
+    row = torch.empty(len(in_shard), dtype=torch.long)
+    row[ctx_pos] = torch.arange(len(ctx_pos))
+    idx = row[keep]  # keep's rows in the local context
+    row[keep] = torch.arange(len(keep))
+    return keep, idx, row[share_mask]  # share_mask lies within keep_mask
+
+
+def _layer_plans(
+    window: int | None,
+    causal: bool,
+    anchors: torch.Tensor,
+    owned: list[torch.Tensor],
+    blocks: list[_RankBlocks],
+    ctx_pos: list[torch.Tensor],
+    *,
+    seq_len: int,
+    bucket: int,
+    shares: bool,
+    merge: bool,
+) -> list[LayerPlan]:
+    """Every rank's plan of one layer type: its context rows (all of the shard for full layers, the windows'
+    rows for sliding ones), the shared ones, and its blocks as queries over [context ; own keys]."""
+    P = len(owned)
+    kv_rows, kv_tok, shared, index = [], [], [], []
+    for r in range(P):
+        if window is None:
+            keep, idx = ctx_pos[r], None
+            sh = torch.arange(len(keep)) if shares else keep[:0]  # every context row
+        else:
+            in_shard = torch.zeros(seq_len, dtype=torch.bool)
+            in_shard[ctx_pos[r]] = True
+            own_need = _window_need(anchors[owned[r]], seq_len, window)
+            others = torch.cat([owned[o] for o in range(P) if o != r]) if shares else None
+            other_need = None if others is None else _window_need(anchors[others], seq_len, window)
+            keep, idx, sh = _window_rows(in_shard, ctx_pos[r], own_need, other_need, bucket)
+        kv_rows.append(torch.cat([keep, blocks[r].q_rows]))
+        kv_tok.append(TokenSet.cat([_ctx_tokens(keep), blocks[r].own_keys]))
+        shared.append(sh)
+        index.append(idx)
+    q_rows, q_tok = [b.q_rows for b in blocks], [b.q_tokens for b in blocks]
+    shards = build_plans(q_rows, q_tok, kv_rows, kv_tok, shared)
+    return [LayerPlan(shards[r], index[r], window, causal, merge) for r in range(P)]
+
+
 def drafter_plans(
     mode: str,
     seq_len: int,
@@ -239,102 +347,36 @@ def drafter_plans(
     bucket: int = 1,
 ) -> list[DrafterPlan]:
     """Every rank's plan for one sequence (pure: each rank computes all and keeps its own)."""
-    check_mode(mode, DRAFTER_MODES)
-    if mode in ("reference", "dp") and world_size != 1:
-        raise ValueError(f"mode {mode!r} plans one sequence on one rank (world_size 1); got {world_size}")
-    if bucket < 1:
-        raise ValueError(f"bucket must be >= 1; got {bucket}")
     anchors = anchors.to(torch.long).cpu()
-    L, S, P, N = seq_len, config.draft_block_size, world_size, anchors.numel()
-    if N == 0:
-        raise ValueError("anchors: a drafter step needs at least one anchor")
-    if int(anchors.max()) >= L - 1 or int(anchors.min()) < 0:
-        raise ValueError(
-            f"anchors must lie in [0, seq_len - 1) = [0, {L - 1}); got {anchors.min()}..{anchors.max()}"
-        )
-    everything = torch.arange(N)
+    _check_inputs(mode, world_size, bucket, anchors, seq_len)
+    L, S, P = seq_len, config.draft_block_size, world_size
     ctx_pos, intervals = _context_shards(L, P)
-    if mode == "csbp":
-        # windows local where the load allows it (only sliding-window layers can gather less)
-        near = "sliding_attention" in config.layer_types and P > 1
-        owned = (own_anchors_near_context(anchors, config, P, L) if near else None) or own_anchor_runs(
-            anchors, config, P
-        )
-    else:
-        owned = [everything] * P
-    q_rows = [L + (owned[r][:, None] * S + torch.arange(S)).reshape(-1) for r in range(P)]
-    q_tok = [_block_tokens(anchors, owned[r], S) for r in range(P)]
-    shares = P > 1 and mode == "csbp"  # CP merges partial outputs instead of sharing K/V
-    merge = P > 1 and mode == "cp"
-    # CP: the blocks' own keys are everywhere but must count once in the merged output -> PAD beyond rank 0
-    own_keys = [
-        q_tok[r] if not (merge and r) else q_tok[r].masked(torch.ones(len(q_tok[r]), dtype=torch.bool))
-        for r in range(P)
-    ]
-
+    owned = _owners(mode, anchors, config, P, L)
+    merge = P > 1 and mode == "cp"  # CP merges partial outputs instead of sharing K/V
+    blocks = [_rank_blocks(anchors, owned[r], L, S, count_keys=not (merge and r)) for r in range(P)]
     layers: list[dict[str, LayerPlan]] = [{} for _ in range(P)]
     for kind in dict.fromkeys(config.layer_types):
-        window = config.sliding_window if kind == "sliding_attention" else None
-        causal = config.sliding_layers_causal if window is not None else False
-        kv_rows, kv_tok, shared, index = [], [], [], []
+        per_rank = _layer_plans(
+            *layer_rule(config, kind), anchors, owned, blocks, ctx_pos,
+            seq_len=L, bucket=bucket, shares=P > 1 and mode == "csbp", merge=merge,
+        )  # fmt: skip
         for r in range(P):
-            if window is None:
-                keep, idx = ctx_pos[r], None
-                shared.append(torch.arange(len(keep)) if shares else keep[:0])  # every context row
-            else:
-                in_shard = torch.zeros(L, dtype=torch.bool)
-                in_shard[ctx_pos[r]] = True
-                own_need = _window_need(anchors[owned[r]], L, window)
-                if not shares:
-                    other_need = torch.zeros(L, dtype=torch.bool)
-                else:
-                    others = torch.cat([owned[o] for o in range(P) if o != r])
-                    other_need = _window_need(anchors[others], L, window)
-                needed = in_shard & (own_need | other_need)
-                keep_mask = _padded(needed, in_shard & ~needed, bucket)  # padding rows: nobody's window
-                share_mask = in_shard & other_need
-                if shares:  # padding rows: in no other rank's window
-                    share_mask = _padded(share_mask, keep_mask & ~share_mask, bucket)
-                keep = torch.nonzero(keep_mask).flatten()
-                # rows of positions by lookup, not binary search (5x faster at 512K): both are subsets
-                row = torch.empty(L, dtype=torch.long)
-                row[ctx_pos[r]] = torch.arange(len(ctx_pos[r]))
-                idx = row[keep]  # keep's rows in the local context
-                row[keep] = torch.arange(len(keep))
-                shared.append(row[share_mask])  # shared positions' rows in keep (share_mask within keep_mask)
-            kv_rows.append(torch.cat([keep, q_rows[r]]))
-            kv_tok.append(TokenSet.cat([_ctx_tokens(keep), own_keys[r]]))
-            index.append(idx)
-        shards = build_plans(q_rows, q_tok, kv_rows, kv_tok, shared)
-        for r in range(P):
-            layers[r][kind] = LayerPlan(shards[r], index[r], window, causal, merge)
-
-    plans = []
-    for r in range(P):
-        plans.append(
-            DrafterPlan(
-                mode=mode,
-                rank=r,
-                world_size=P,
-                seq_len=L,
-                block_size=S,
-                anchors=anchors,
-                owned=owned[r],
-                loss_scale=1.0 / P if mode == "cp" else 1.0,
-                sequence_share=1.0 / P,
-                ctx_positions=ctx_pos[r],
-                ctx_intervals=intervals[r],
-                layers=layers[r],
-            )
+            layers[r][kind] = per_rank[r]
+    return [
+        DrafterPlan(
+            mode=mode, rank=r, world_size=P, seq_len=L, block_size=S, anchors=anchors, owned=owned[r],
+            loss_scale=1.0 / P if mode == "cp" else 1.0, sequence_share=1.0 / P, ctx_positions=ctx_pos[r],
+            ctx_intervals=intervals[r], layers=layers[r],
         )
-    return plans
+        for r in range(P)
+    ]
 
 
 class MergedAttention:
     """CP: attention of the (replicated) queries over this rank's keys, merged over the group by LSE."""
 
-    def __init__(self, local: ShardedAttention, group, stats: CommStats, communicate: bool = True):
-        self.local, self.group, self.stats, self.communicate = local, group, stats, communicate
+    def __init__(self, local: ShardedAttention, group, stats: CommStats):
+        self.local, self.group, self.stats = local, group, stats
 
     def prepare(self, device: torch.device | str, groups: int) -> None:
         self.local.prepare(device, groups)
@@ -347,7 +389,7 @@ class MergedAttention:
             raise ValueError("gathered: CP gathers no K/V (begin returned None)")
         out, lse = self.local(q, k, v, scale=scale)
         # every rank's partial result; backward reduce-scatters (each rank's replica fed its own loss copy)
-        gather = dict(group=self.group, stats=self.stats, communicate=self.communicate, label="_partials")
+        gather = {"group": self.group, "stats": self.stats, "label": "_partials"}
         outs, lses = all_gather_rows(out, **gather), all_gather_rows(lse, **gather)
         out, lse = outs[0], lses[0]
         for p in range(1, outs.shape[0]):
@@ -355,34 +397,24 @@ class MergedAttention:
         return out, lse
 
 
+_DEFAULTS = AttentionOptions()
+
+
 def plan_attention(
-    plan: DrafterPlan,
-    *,
-    group: dist.ProcessGroup | None = None,
-    backend: str = "auto",
-    communicate: bool = True,
-    stats: CommStats = COMM_STATS,
-    regather: bool = False,
-    schedule: str | None = None,
-    pack_gqa: bool | None = None,
-    gather_ahead: bool = True,
+    plan: DrafterPlan, *, group: dist.ProcessGroup | None = None, options: AttentionOptions = _DEFAULTS
 ) -> dict[str, LayerAttention]:
-    """The model's `attention` argument for this rank's plan (one executor per layer type).
-    `gather_ahead`: layer types whose plan gathers context K/V (CSBP) start that gather one layer early
-    (`LayerAttention.gather_ahead`).
-    `regather`: free each layer's gathered context K/V after forward and gather it again in backward.
-    `schedule`: ShardedAttention's ("fused" by default, "overlap" when regather); `pack_gqa`: the seam's
-    GQA head packing (None: decided per call from the block masks)."""
+    """The model's `attention` argument for this rank's plan: one executor per layer type, run as `options`
+    say (parallel/options.py); with `options.gather_ahead`, layer types whose plan gathers context K/V (CSBP)
+    start that gather one layer early (`LayerAttention.gather_ahead`)."""
     out = {}
     for kind, lp in plan.layers.items():
         attn = ShardedAttention(
             lp.shard, plan.block_size, window=lp.window, noisy_causal=lp.noisy_causal,
-            group=group if plan.world_size > 1 else None, backend=backend, communicate=communicate, stats=stats,
-            regather=regather, schedule=schedule, pack_gqa=pack_gqa,
+            group=group if plan.world_size > 1 else None, options=options,
         )  # fmt: skip
-        ahead = gather_ahead and lp.shard.communicates and not lp.merge
+        ahead = options.gather_ahead and lp.shard.communicates and not lp.merge
         if lp.merge:
-            attn = MergedAttention(attn, group, stats, communicate)
+            attn = MergedAttention(attn, group, options.stats)
         out[kind] = LayerAttention(attn, lp.ctx_index, ahead)
     return out
 
@@ -397,7 +429,11 @@ def prepare_plan_attention(attention: Mapping[str, LayerAttention], device: torc
 
 
 def reference_attention(
-    config: DFlashConfig, anchors: torch.Tensor, context_positions: torch.Tensor, *, backend: str = "auto"
+    config: DFlashConfig,
+    anchors: torch.Tensor,
+    context_positions: torch.Tensor,
+    *,
+    options: AttentionOptions = _DEFAULTS,
 ) -> dict[str, LayerAttention]:
     """Single-process attention for blocks at `anchors` over context rows at `context_positions` (any set)."""
     anchors, ctx = anchors.to(torch.long).cpu(), context_positions.to(torch.long).reshape(-1).cpu()
@@ -412,9 +448,6 @@ def reference_attention(
     )[0]
     out = {}
     for kind in dict.fromkeys(config.layer_types):
-        window = config.sliding_window if kind == "sliding_attention" else None
-        causal = config.sliding_layers_causal if window is not None else False
-        out[kind] = LayerAttention(
-            ShardedAttention(shard, S, window=window, noisy_causal=causal, backend=backend)
-        )
+        window, causal = layer_rule(config, kind)
+        out[kind] = LayerAttention(ShardedAttention(shard, S, window=window, noisy_causal=causal, options=options))
     return out

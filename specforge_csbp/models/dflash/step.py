@@ -22,14 +22,13 @@ benchmark times the step users train with:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ...distributed.collectives import COMM_STATS, CommStats
 from ...layout.plans import check_mode
 from ...objectives.dflash import (
     BlockTargets,
@@ -39,9 +38,11 @@ from ...objectives.dflash import (
     loss_terms,
     sample_anchors,
 )
+from ...parallel.options import AttentionOptions
+from .features import DrafterSample, load_context
 from .modeling import DFlashDraftModel
-from .prefetch import AttentionOptions, PreparedStep, StagedIndices, stage_indices
-from .sharding import DRAFTER_MODES, DrafterPlan, drafter_plans
+from .prefetch import PreparedStep, StagedIndices, stage_indices
+from .sharding import DRAFTER_MODES, DrafterPlan, drafter_plans, plan_attention
 
 __all__ = [
     "STAT_KEYS",
@@ -58,21 +59,7 @@ __all__ = [
     "sync_gradients",
 ]
 
-FeatureSource = torch.Tensor | Callable[[int, int], torch.Tensor]
-
-
-@dataclass
-class DrafterSample:
-    """One sequence: token ids and loss mask (whole, small) and its target features [L, K*H] - a tensor or
-    a loader `(lo, hi) -> rows lo..hi-1`, so a rank reads only its own context intervals."""
-
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    features: FeatureSource
-
-    @property
-    def seq_len(self) -> int:
-        return int(self.input_ids.numel())
+_DEFAULTS = AttentionOptions()
 
 
 @dataclass
@@ -80,40 +67,6 @@ class StepResult:
     loss: float  # global loss of the step (identical on every rank)
     metrics: dict[str, float]  # global: acc, supervised, selector_coverage, selector_loss, ...
     plans: list[DrafterPlan] = field(default_factory=list)  # this rank's plans (one per sequence it ran)
-
-
-#: host rows staged through pinned memory per copy (`load_context(pin=True)`): the caching host allocator
-#: recycles a chunk's block once its copy ran, so pinned memory stays a few chunks, not a step's features
-PIN_CHUNK_BYTES = 64 << 20
-
-
-def copy_rows_chunked(rows: torch.Tensor, out: torch.Tensor, chunk_bytes: int, *, pin: bool) -> torch.Tensor:
-    """out[:] = rows, `chunk_bytes` of rows per copy, each chunk pinned first when `pin` (non_blocking)."""
-    step = max(1, chunk_bytes // max(1, rows[0].numel() * rows.element_size())) if len(rows) else 1
-    for a in range(0, len(rows), step):
-        chunk = rows[a : a + step]
-        out[a : a + step].copy_(chunk.pin_memory() if pin else chunk, non_blocking=pin)
-    return out
-
-
-def load_context(
-    sample: DrafterSample, intervals, device, dtype, width: int, *, pin: bool = False
-) -> list[torch.Tensor]:
-    """This rank's context feature rows, one [1, rows, width] piece per interval (never concatenated: the
-    features are the widest tensor of the step); one empty piece when the rank holds none. `pin`: host rows
-    go to a GPU through pinned memory in chunks (`PIN_CHUNK_BYTES`), so the copy does not wait for the stream
-    (the prefetch worker's use) and pinned memory stays bounded (13.4 GB of features per rank at 512K)."""
-    parts = []
-    for lo, hi in intervals:
-        rows = (
-            sample.features[lo:hi] if isinstance(sample.features, torch.Tensor) else sample.features(lo, hi)
-        )
-        if pin and rows.device.type == "cpu" and torch.device(device).type == "cuda":
-            out = torch.empty(rows.shape, device=device, dtype=dtype)
-            parts.append(copy_rows_chunked(rows, out, PIN_CHUNK_BYTES, pin=True)[None])
-            continue
-        parts.append(rows.to(device=device, dtype=dtype, non_blocking=True)[None])
-    return parts or [torch.empty((1, 0, width), device=device, dtype=dtype)]
 
 
 def sync_gradients(params: Sequence[torch.nn.Parameter], group=None) -> None:
@@ -290,6 +243,18 @@ def step_metrics(values: list[float], block_size: int, denominator: float, selec
     return metrics
 
 
+def _global_denominator(work: Work, objective: DFlashObjective, device, world: int, group) -> torch.Tensor:
+    """The step's loss denominator: every rank adds its samples' shares on the host, then (world > 1) one
+    all-reduce over `group`."""
+    den = torch.zeros((), dtype=torch.float64)
+    for _, plan, blocks in work:
+        den += sample_denominator(plan, blocks, objective)
+    den = torch.full((), float(den), dtype=torch.float64, device=device)  # a fill kernel, not a copy
+    if world > 1:
+        dist.all_reduce(den, group=group)
+    return den
+
+
 def drafter_step(
     model: DFlashDraftModel,
     samples: Sequence[DrafterSample],
@@ -300,66 +265,41 @@ def drafter_step(
     embed_weight: torch.Tensor,
     step: int = 0,
     group: dist.ProcessGroup | None = None,
-    backend: str = "auto",
-    communicate: bool = True,
+    options: AttentionOptions = _DEFAULTS,
     bucket: int = 1,
     sync_grads: bool = True,
-    stats: CommStats = COMM_STATS,
     prepared: Work | PreparedStep | None = None,
-    regather: bool = False,
-    schedule: str | None = None,
-    pack_gqa: bool | None = None,
-    gather_ahead: bool = True,
 ) -> StepResult:
     """Forward + backward of one step; gradients land in model parameters (summed over the group).
+    `options`: how the attention executors run (parallel/options.py; every choice gives the same result).
     `prepared`: this step's `prepare_step(...)` result, or a PreparedStep (prefetch.py: its attention
     masks built and its indices staged on the device ahead too), if computed ahead of time. Indices not
-    staged ahead are copied here, once each (`stage_indices`). `gather_ahead` (default on): CSBP layers
-    start their context K/V gather one layer early (`LayerAttention.gather_ahead`); same result, other overlap."""
+    staged ahead are copied here, once each (`stage_indices`)."""
     check_mode(mode, DRAFTER_MODES)
     if not samples:
         raise ValueError("samples: a step needs at least one sequence")
     world, _ = _world(mode, group)
-    S = model.block_size
-    device = model.fc.weight.device
+    S, device = model.block_size, model.fc.weight.device
     selector = getattr(model, "candidate_selector", None)
-
-    options = AttentionOptions(
-        group=group, backend=backend, communicate=communicate, stats=stats, regather=regather,
-        schedule=schedule, pack_gqa=pack_gqa, gather_ahead=gather_ahead,
-    )  # fmt: skip
-    ahead: list | None = None  # per work item, attention built ahead (masks included)
-    staged_ahead: list | None = None  # per work item, StagedIndices on the device
-    loaded_ahead: list | None = None  # per work item, its context features (prefetch.FeatureLoad)
     if isinstance(prepared, PreparedStep):
-        if prepared.options != options:
-            raise ValueError(f"prepared: built with {prepared.options}, but this step asks for {options}")
+        prepared.check_for(options, group)
         prepared.wait()
-        ahead, staged_ahead = list(prepared.attention) or None, list(prepared.indices) or None
-        loaded_ahead = list(prepared.features) or None
-        prepared = prepared.work
-    if prepared is None:
-        prepared = prepare_step(
+    else:  # nothing built ahead: each item's executors are built, its indices copied, when it runs
+        work = prepared if prepared is not None else prepare_step(
             model.config, samples, objective=objective, mode=mode, step=step, group=group, bucket=bucket
         )
-    work = prepared
-
-    # global denominator: every rank adds its share (on the host), one all-reduce
-    den = torch.zeros((), dtype=torch.float64)
-    for _, plan, blocks in work:
-        den += sample_denominator(plan, blocks, objective)
-    den = torch.full((), float(den), dtype=torch.float64, device=device)  # a fill kernel, not a copy
-    if world > 1:
-        dist.all_reduce(den, group=group)
+        prepared = PreparedStep(work, options, [], group=group)
+    work = prepared.work
+    den = _global_denominator(work, objective, device, world, group)
 
     totals: dict[str, torch.Tensor] = {}
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for j, (sample, plan, blocks) in enumerate(work):
         out = sample_terms(
             model, sample, plan, blocks, objective=objective, head_weight=head_weight, embed_weight=embed_weight,
-            step=step, attention=ahead[j] if ahead is not None else options.build(plan),
-            staged=staged_ahead[j] if staged_ahead is not None else None,
-            features=loaded_ahead[j] if loaded_ahead is not None else None,
+            step=step, staged=prepared.indices[j] if prepared.indices else None,
+            attention=prepared.attention[j] if prepared.attention else plan_attention(plan, group=group, options=options),
+            features=prepared.features[j] if prepared.features else None,
         )  # fmt: skip
         loss = out.numerator / den.to(out.numerator.dtype)
         loss.backward()

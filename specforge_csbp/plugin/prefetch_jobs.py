@@ -1,0 +1,98 @@
+"""The prefetch worker's numbered jobs across micro-steps, and the lifetime of what they built.
+
+One worker (models/dflash/prefetch.StepPrefetcher) builds sample after sample: `take(job)` returns job's
+PreparedStep and starts job + 1. A micro-step registers its samples as consecutive jobs, and - when the
+look-ahead (plugin/lookahead.py) announced the next micro-step - the next one's first sample after them:
+
+    jobs:                  micro-step i: first .. first+n-1    look-ahead: first+n
+    micro-step i + 1:      its (sample, step) == the look-ahead's?   yes: take it (built while i's last ran)
+                                                                     no:  wait for it, drop it, build here
+
+Lifetime (a PreparedStep's masks and indices live on the worker's side stream and are read on the main
+one; freed, the allocator hands their memory to the side stream at once):
+  1. a micro-step's PreparedSteps stay referenced until the next micro-step starts - after the caller
+     launched their backward;
+  2. they are dropped only once the build submitted before that backward - the look-ahead - has finished
+     (taken, or waited for and dropped). Every build still running was submitted after it, so the side
+     stream already waits for the backward's kernels (StepPrefetcher makes each build wait for the main
+     stream's queued work first).
+`PrefetchJobs.micro_step` is the only place either happens, in that order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterator, Sequence
+
+__all__ = ["PrefetchJobs"]
+
+#: what a job builds: (store index, global step, anything else the builder needs); jobs match on the first two
+Key = tuple[Hashable, ...]
+
+
+class PrefetchJobs:
+    """Numbered jobs of one StepPrefetcher (`job(number)` is its builder's lookup) and the PreparedSteps of
+    the current micro-step, held by the rules of the module docstring."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[int, Key] = {}
+        self._outstanding: int | None = None  # the newest submitted job nobody has taken yet
+        self._held: list = []  # this micro-step's PreparedSteps (rule 1)
+        self.ahead_used = 0  # micro-steps whose first sample the look-ahead had built
+        self.ahead_discarded = 0  # look-ahead builds for another (sample, step), waited for and dropped
+
+    def job(self, number: int) -> Key | None:
+        """What job `number` builds (the worker's thread); None: never registered, it builds nothing."""
+        return self._jobs.get(number)
+
+    def _take(self, prefetcher, job: int):
+        try:
+            return prefetcher.take(job)
+        finally:
+            self._outstanding = job + 1  # take() started job + 1
+
+    def micro_step(
+        self, prefetcher, keys: Sequence[Key], look_ahead: Key | None, build_here: Callable[[Key], object]
+    ) -> Iterator[object]:
+        """The PreparedStep of each of `keys` in order: the first from the look-ahead or `build_here`, each
+        later one from the worker (built while the one before runs); `look_ahead` is built after the last."""
+        outstanding = self._outstanding
+        built = None if outstanding is None else self._jobs.get(outstanding)
+        hit = built is not None and built[:2] == keys[0][:2]
+        # a miss leaves outstanding + 1 unregistered: taking the stale job starts it, and it builds nothing
+        first = outstanding if hit else (-1 if outstanding is None else outstanding) + 2
+        for j, key in enumerate(keys[1:], 1):  # registered before any take: take(job) starts job + 1 at once
+            self._jobs[first + j] = key
+        if look_ahead is not None:
+            self._jobs[first + len(keys)] = look_ahead
+        prepared = self._claim(prefetcher, outstanding, hit, stale=built is not None)
+        self._held = []  # rule 2: the build submitted before the last backward has finished (claimed above)
+        if prepared is None:
+            prefetcher.submit(first + 1)  # sample 1, or the look-ahead: built while sample 0 runs
+            self._outstanding = first + 1
+            prepared = build_here(keys[0])
+        for number in [n for n in self._jobs if n < first]:
+            del self._jobs[number]
+        for j in range(len(keys)):
+            if j > 0:  # built while sample j - 1 ran; job first + j + 1 starts now
+                prepared = self._take(prefetcher, first + j)
+            self._held.append(prepared)  # rule 1: kept until the next micro-step
+            yield prepared
+
+    def _claim(self, prefetcher, outstanding: int | None, hit: bool, *, stale: bool):
+        """The outstanding build: taken when it is this micro-step's first sample (returned), else waited
+        for and dropped (it may still be allocating; None is returned)."""
+        if hit:
+            self.ahead_used += 1
+            return self._take(prefetcher, outstanding)
+        if outstanding is not None:
+            self.ahead_discarded += stale
+            try:
+                self._take(prefetcher, outstanding)
+            except Exception:  # noqa: BLE001, S110 - the error of a sample that does not run is not this one's
+                pass
+        return None
+
+    def reset(self) -> None:
+        """The worker was closed: no job is outstanding, none registered (held steps stay until replaced)."""
+        self._jobs.clear()
+        self._outstanding = None
