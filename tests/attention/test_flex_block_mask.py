@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from mask_cases import drafter_shards
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import specforge_csbp.attention.flex as flex_backend
@@ -10,6 +9,7 @@ from specforge_csbp.attention import partial_attention
 from specforge_csbp.attention.flex import block_mask_for, tile_status
 from specforge_csbp.layout import bdlm_plan
 from specforge_csbp.masks import Visibility
+from tests.support.mask_cases import drafter_shards
 
 
 def _visibilities():

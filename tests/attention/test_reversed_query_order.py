@@ -8,13 +8,20 @@ documented permutation.
 
 import pytest
 import torch
-from test_attention_packing import HEAD_DIM, KV_HEADS, _bdlm_visibilities, _drafter_visibilities, _rel, _run
 from torch.nn.attention.flex_attention import flex_attention
 
 import specforge_csbp.attention.flex as flex_backend
 from specforge_csbp.attention import order, partial_attention
 from specforge_csbp.attention.order import reversed_queries
 from specforge_csbp.masks import Visibility
+from tests.attention.test_gqa_packing import (
+    HEAD_DIM,
+    KV_HEADS,
+    _bdlm_visibilities,
+    _drafter_visibilities,
+    _rel,
+    _run,
+)
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from specforge_csbp.bench.records import BenchRecord, load_records
 from specforge_csbp.bench.report import write_report
 from specforge_csbp.cli.main import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _rec(workload, mode, ctx, tps, *, status="ok", date="2025-11-30", device="H200", ws=2, bs=16, **extra):

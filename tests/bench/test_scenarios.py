@@ -12,7 +12,7 @@ import pytest
 
 from specforge_csbp.bench.scenarios import BENCHES, build_command, load_scenarios, main, run_scenarios
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_scenario_of_the_file_builds_commands_for_existing_scripts():

@@ -14,7 +14,7 @@ from specforge_csbp.bench.records import load_records
 from specforge_csbp.bench.runner import classify_failure
 from specforge_csbp.cli.main import main
 
-FAKE = str(Path(__file__).with_name("sweep_fake_bench.py"))
+FAKE = str(Path(__file__).resolve().parents[1] / "support" / "sweep_fake_bench.py")
 
 
 def _sweep(out_dir: Path, calls: Path, *extra: str) -> int:

@@ -1,7 +1,7 @@
 """The attention benchmark's --smoke run executes every mode on CPU (2 gloo ranks, dense backend) and writes
 valid shared benchmark records, each mode checked against the reference first."""
 
-from bench_smoke import run_bench_smoke
+from tests.support.bench_smoke import run_bench_smoke
 
 
 def test_attention_bench_smoke(tmp_path):

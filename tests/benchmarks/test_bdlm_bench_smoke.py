@@ -11,7 +11,7 @@ from pathlib import Path
 from specforge_csbp.bench.provenance import library_digest
 from specforge_csbp.bench.records import load_records
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_smoke_writes_records_without_pydantic(tmp_path):

@@ -4,9 +4,8 @@ writes valid shared benchmark records."""
 import subprocess
 import sys
 
-from bench_smoke import ROOT, run_bench_smoke
-
 from specforge_csbp.bench.provenance import library_digest
+from tests.support.bench_smoke import ROOT, run_bench_smoke
 
 
 def test_drafter_bench_smoke(tmp_path):

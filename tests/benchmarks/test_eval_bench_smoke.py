@@ -1,9 +1,8 @@
 """benchmarks/eval_bench.py --smoke runs the GPU benchmark's code on CPU (tiny target, two short prompts) and
 writes valid shared records of workload "eval" with the loop's own timings."""
 
-from bench_smoke import run_bench_smoke
-
 from specforge_csbp.bench.provenance import library_digest
+from tests.support.bench_smoke import run_bench_smoke
 
 
 def test_eval_bench_smoke(tmp_path):

@@ -5,7 +5,7 @@ import re
 import subprocess
 import sys
 
-from bench_smoke import ROOT
+from tests.support.bench_smoke import ROOT
 
 ARGS = ["benchmarks/flex_layer_bench.py", "--shape", "a", "--context", "4K", "--anchors", "16", "--iters", "1",
         "--warmup", "0"]  # fmt: skip

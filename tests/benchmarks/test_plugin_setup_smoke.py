@@ -9,7 +9,7 @@ from pathlib import Path
 
 from specforge_csbp.data.store import FeatureStore
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*cmd, timeout=600):

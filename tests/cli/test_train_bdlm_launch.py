@@ -16,7 +16,7 @@ from specforge_csbp.cli import train_bdlm
 from specforge_csbp.cli.main import main
 from specforge_csbp.training import trainer
 
-SFT = Path(__file__).resolve().parents[1] / "examples" / "bdlm_sft_tiny.yaml"
+SFT = Path(__file__).resolve().parents[2] / "examples" / "bdlm_sft_tiny.yaml"
 
 
 @pytest.fixture

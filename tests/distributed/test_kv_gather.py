@@ -6,9 +6,9 @@ shard) and as a slice; the own segment sits first, in the middle and last."""
 
 import pytest
 import torch
-from spawned import save_results, spawn_results
 
 from specforge_csbp.distributed.collectives import CommStats, KVGather
+from tests.support.spawned import save_results, spawn_results
 
 WORLD = 3
 

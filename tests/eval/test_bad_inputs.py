@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from eval_fixtures import random_drafter
 
 from specforge_csbp.assets import materialize_tiny_target
 from specforge_csbp.cli.main import main
+from tests.support.eval_fixtures import random_drafter
 
 
 @pytest.fixture(scope="module")

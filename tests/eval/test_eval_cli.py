@@ -8,7 +8,6 @@ import os
 
 import pytest
 import torch
-from eval_fixtures import random_drafter, write_training_output
 
 from specforge_csbp.assets import materialize_tiny_target
 from specforge_csbp.cli.main import main
@@ -16,6 +15,7 @@ from specforge_csbp.data.manifest import TargetInfo
 from specforge_csbp.data.store import FeatureStoreWriter
 from specforge_csbp.eval import store_prompts
 from specforge_csbp.export.writer import export_drafter
+from tests.support.eval_fixtures import random_drafter, write_training_output
 
 FIELDS = ("tau", "verify_steps", "generated_tokens", "block_size", "accept_hist", "per_slot_accept", "buckets",
           "drafter", "target")  # fmt: skip

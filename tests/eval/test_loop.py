@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from eval_fixtures import S, greedy_reference, random_drafter, tiny_target
 
 from specforge_csbp.eval import DraftContext, TargetRunner, run_prompts, speculative_generate, summarize
+from tests.support.eval_fixtures import S, greedy_reference, random_drafter, tiny_target
 
 
 @pytest.fixture(scope="module")

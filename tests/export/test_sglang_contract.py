@@ -17,7 +17,7 @@ from specforge_csbp.export.writer import export_drafter, load_exported
 from specforge_csbp.models.dflash.configuration import DFlashConfig, make_dflash_config
 from specforge_csbp.models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _tiny(dflash2: bool, *, conv: bool = True):

@@ -1,4 +1,4 @@
-"""Exports against SGLang's real DFLASH / DFLASH2 loader code (tests/sglang_real.py: the wheel's own
+"""Exports against SGLang's real DFLASH / DFLASH2 loader code (tests/support/sglang_real.py: the wheel's own
 models/dflash.py and speculative/dflash_utils.py, GPU layers stubbed at TP = 1).
 
 For every shipped drafter config (reduced width, the exact layer structure), tiny DFlash / DFlash2 drafters,
@@ -27,12 +27,10 @@ from safetensors.torch import load_file, save_file
 from specforge_csbp.export.writer import SGLANG_FLOORS, export_drafter
 from specforge_csbp.models.dflash.configuration import DFlashConfig
 from specforge_csbp.models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel
+from tests.export.test_sglang_contract import _tiny
+from tests.support.sglang_real import import_sglang_dflash
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sglang_real import import_sglang_dflash
-from test_export_contract import _tiny
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DFLASH2_FLOOR, NEWEST, SPECFORGE_PIN = "0.5.19", "0.5.23", "0.5.14"
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _SG: dict[str, object] = {}

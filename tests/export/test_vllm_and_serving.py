@@ -4,8 +4,6 @@ and serve commands, the dtype default (the target's), and drafter causality the 
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 import torch
@@ -15,10 +13,8 @@ from specforge_csbp.cli.main import main
 from specforge_csbp.export.vllm_contract import VLLM_PREFIX, VLLM_STACKED, check_vllm_export, vllm_name
 from specforge_csbp.export.writer import export_drafter, serve_commands
 from specforge_csbp.models.dflash.configuration import DFlashConfig, make_dflash_config
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_export_contract import _tiny
-from vllm_source import VLLMSource
+from tests.export.test_sglang_contract import _tiny
+from tests.support.vllm_source import VLLMSource
 
 VLLM = "0.33.0"
 

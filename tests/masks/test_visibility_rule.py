@@ -4,11 +4,11 @@ import itertools
 
 import pytest
 import torch
-from mask_cases import drafter_shards
 
 from specforge_csbp.layout import CLEAN, NOISY, TokenSet, bdlm_plan
 from specforge_csbp.masks import Visibility
 from specforge_csbp.masks.visibility import CLEAN_RULES
+from tests.support.mask_cases import drafter_shards
 
 
 def rule_by_loops(L, S, bidirectional):

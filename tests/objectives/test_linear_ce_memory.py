@@ -9,9 +9,9 @@ set, it does not depend on what the interpreter touched before (imports, other t
 from __future__ import annotations
 
 import torch
-from memory_probe import peak_allocated_bytes
 
 from specforge_csbp.objectives.linear_ce import linear_cross_entropy
+from tests.support.memory_probe import peak_allocated_bytes
 
 
 def test_chunked_ce_peak_memory_below_naive():

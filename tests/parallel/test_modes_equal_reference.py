@@ -7,11 +7,11 @@ import json
 import os
 
 import pytest
-from spawned import save_results, spawn_results
 
 from specforge_csbp.distributed import spawn
 from specforge_csbp.layout.zigzag import ZigzagShards
 from specforge_csbp.parallel.check import CheckCase, run_check
+from tests.support.spawned import save_results, spawn_results
 
 # (L, S): B = L/S blocks chosen per P to include B % P != 0 and P <= B < 2P.
 SHAPES = {

@@ -12,13 +12,13 @@ import json
 import os
 
 import torch
-from memory_probe import peak_allocated_bytes
 
 from specforge_csbp.distributed import spawn
 from specforge_csbp.layout import bdlm_plan
 from specforge_csbp.parallel import ShardedAttention
 from specforge_csbp.planner.memory import attention_layer_peak_bytes
 from specforge_csbp.planner.pairs import bdlm_rank_stats
+from tests.support.memory_probe import peak_allocated_bytes
 
 TOLERANCE = 0.05
 # (mode, L, S, heads, kv_heads, head_dim, dtype, schedule): GQA and MHA, fp64 and fp32, 35 blocks
@@ -51,7 +51,7 @@ def _measure(mode, L, S, H, Hk, D, dtype, schedule, rank, world) -> int:
     def reset():  # every call allocates the input gradients afresh, as the first one does
         q.grad = k.grad = v.grad = None
 
-    # the collectives' worker thread makes single measurements timing-dependent (memory_probe.py)
+    # the collectives' worker thread makes single measurements timing-dependent (tests/support/memory_probe.py)
     return peak_allocated_bytes(step, repeats=3, reset=reset)
 
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from planner_fixtures import DRAFTER, LM, PROFILE
 
 from specforge_csbp.bench.records import BenchRecord
 from specforge_csbp.cli import plan as plan_cli
@@ -24,9 +23,10 @@ from specforge_csbp.planner.rates import BDLMLayerSpec
 from specforge_csbp.planner.search import enumerate_layouts
 from specforge_csbp.planner.shapes import load_shape
 from specforge_csbp.planner.validate import record_predictor
+from tests.support.planner_fixtures import DRAFTER, LM, PROFILE
 
 FIELDS = ("bdlm_layer_tflops", "bdlm_layer_shape")
-SFT_CONFIG = Path(__file__).resolve().parents[1] / "benchmarks" / "configs" / "qwen3-1.7b.json"
+SFT_CONFIG = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "qwen3-1.7b.json"
 
 
 def _with_layer(prof: MachineProfile, shape, rate: float, **spec) -> MachineProfile:

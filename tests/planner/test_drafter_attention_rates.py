@@ -11,7 +11,6 @@ from importlib import resources
 
 import pytest
 import torch
-from planner_fixtures import DRAFTER, LM, PROFILE
 
 from specforge_csbp.planner import rates
 from specforge_csbp.planner.cost import Layout, Options, predict
@@ -19,6 +18,7 @@ from specforge_csbp.planner.pairs import drafter_rank_stats
 from specforge_csbp.planner.profile import BUILTIN_PROFILES, MachineProfile, calibrate, load_profile
 from specforge_csbp.planner.search import enumerate_layouts
 from specforge_csbp.planner.shapes import load_shape
+from tests.support.planner_fixtures import DRAFTER, LM, PROFILE
 
 FIELDS = ("attn_window_tflops", "attn_draft_tflops")
 CONTEXT, OPT = 16384, Options(anchors=64)

@@ -15,7 +15,7 @@ from specforge_csbp.planner.profile import load_profile
 from specforge_csbp.planner.shapes import load_shape
 from specforge_csbp.planner.validate import record_options
 
-CONFIG = Path(__file__).resolve().parents[1] / "benchmarks" / "configs" / "drafter-qwen3.6-27b.json"
+CONFIG = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "drafter-qwen3.6-27b.json"
 GIB = 2**30
 
 

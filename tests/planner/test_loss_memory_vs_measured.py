@@ -4,10 +4,10 @@ CPU), bf16, forward + backward, with and without the selector's top-k."""
 
 import pytest
 import torch
-from memory_probe import peak_allocated_bytes
 
 from specforge_csbp.objectives.linear_ce_topk import linear_ce_topk
 from specforge_csbp.planner.memory import loss_chunk_bytes
+from tests.support.memory_probe import peak_allocated_bytes
 
 ROWS, CHUNK, HIDDEN, VOCAB = 512, 128, 64, 8192
 

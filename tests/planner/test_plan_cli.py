@@ -7,7 +7,6 @@ import json
 from dataclasses import asdict
 
 import pytest
-from planner_fixtures import DRAFTER, LM, PROFILE
 
 from specforge_csbp.bench.provenance import library_digest
 from specforge_csbp.cli.main import main
@@ -16,6 +15,7 @@ from specforge_csbp.planner.pairs import bdlm_rank_stats
 from specforge_csbp.planner.profile import calibrate, load_profile
 from specforge_csbp.planner.search import TIE, enumerate_layouts, plan_layouts, recommend
 from specforge_csbp.planner.shapes import load_shape
+from tests.support.planner_fixtures import DRAFTER, LM, PROFILE
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from specforge_csbp.planner.profile import BUILTIN_PROFILES, load_profile
 from specforge_csbp.planner.shapes import load_shape
 from specforge_csbp.planner.validate import BENCHMARK_OPTIONS, record_options, record_predictor
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "benchmarks" / "configs"
 
 

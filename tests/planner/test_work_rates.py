@@ -11,7 +11,6 @@ from importlib import resources
 
 import pytest
 import torch
-from planner_fixtures import DRAFTER, LM, PROFILE
 
 from specforge_csbp.planner import rates
 from specforge_csbp.planner.cost import Layout, Options, predict
@@ -19,6 +18,7 @@ from specforge_csbp.planner.profile import BUILTIN_PROFILES, MachineProfile, loa
 from specforge_csbp.planner.search import enumerate_layouts, plan_layouts
 from specforge_csbp.planner.shapes import ModelShape, load_shape
 from specforge_csbp.planner.validate import record_options
+from tests.support.planner_fixtures import DRAFTER, LM, PROFILE
 
 BASE = PROFILE
 NEW_FIELDS = ("layer_tflops", "loss_tflops", "loss_topk_tflops", "adamw_gbps")

@@ -16,8 +16,7 @@ from specforge_csbp.plugin.launch import preflight
 from specforge_csbp.plugin.options import prepare_run
 from specforge_csbp.plugin.registry import objective_for
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DRAFTER = os.path.join(ROOT, "examples", "quickstart_drafter.json")
 
 

@@ -21,7 +21,7 @@ import sys
 import torch
 import yaml
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ASSETS = os.path.join(ROOT, "specforge_csbp", "assets")
 DRAFTER = os.path.join(ROOT, "examples", "quickstart_drafter.json")
 STEPS = 3

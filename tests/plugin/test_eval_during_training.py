@@ -16,11 +16,11 @@ import os
 
 import pytest
 import torch
-from spawned import save_results, spawn_results
 
 from specforge_csbp.data import FeatureStoreWriter, TargetInfo
 from specforge_csbp.models.dflash import DFlash2DraftModel, DrafterSample, make_dflash_config
 from specforge_csbp.objectives.dflash import DFlashObjective
+from tests.support.spawned import save_results, spawn_results
 
 STRATEGY = "dflash2-csbp"
 V, H = 5, 32

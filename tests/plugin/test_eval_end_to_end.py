@@ -11,7 +11,8 @@ import os
 
 import torch
 import yaml
-from test_plugin_e2e import ASSETS, DRAFTER, _train
+
+from tests.plugin.test_end_to_end import ASSETS, DRAFTER, _train
 
 STEPS = 4
 

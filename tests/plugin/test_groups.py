@@ -2,9 +2,9 @@
 gloo twin for host metadata (same ranks, gloo backend) that the training module exchanges sample indices on."""
 
 import torch.distributed as dist
-from spawned import save_results, spawn_results
 
 from specforge_csbp.plugin import groups as csbp_groups
+from tests.support.spawned import save_results, spawn_results
 
 
 def _worker(rank, world, out_dir):

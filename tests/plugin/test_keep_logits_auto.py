@@ -13,7 +13,7 @@ from specforge_csbp.plugin import keep_logits
 from specforge_csbp.plugin.keep_logits import HEADROOM_GIB, HEADROOM_SHARE, choose_keep_logits_gib, predicted_step
 from specforge_csbp.plugin.options import prepare_run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DRAFTER = os.path.join(ROOT, "examples", "quickstart_drafter.json")
 GiB = float(1 << 30)
 

@@ -28,10 +28,11 @@ import threading
 
 import pytest
 import torch
-from spawned import save_results, spawn_results
-from test_dflash_parallel import Case, build
-from test_dflash_prefetch import _MaskWork
-from test_plugin_prefetch import _store
+
+from tests.models.dflash.test_modes_equal_reference import Case, build
+from tests.models.dflash.test_prefetched_step_equals_inline import _MaskWork
+from tests.plugin.test_prefetch import _store
+from tests.support.spawned import save_results, spawn_results
 
 CASE = Case("csbp", True, (53, 40, 47, 36, 58, 44), 5, block_size=4, window=7, seed=13)
 STRATEGY = "dflash2-csbp"

@@ -5,7 +5,7 @@ Two gloo ranks, float64, CSBP P = 2, DFlash2: each rank brings one store sample,
 sum(numerators) / sum(denominators) and the summed gradients must equal `drafter_step(mode="reference")`
 over the same two samples (relative error <= 1e-10), and the second sample's masks must be built in the
 prefetch worker (the first one's on the module's own thread: nothing announced it; across micro-steps see
-test_plugin_prefetch_across_steps.py). Both with `gather_ahead` on (the default) and off, which must reach
+tests/plugin/test_lookahead_across_steps.py). Both with `gather_ahead` on (the default) and off, which must reach
 the attention the module builds.
 """
 
@@ -14,12 +14,12 @@ import threading
 
 import pytest
 import torch
-from spawned import save_results, spawn_results
-from test_dflash_parallel import Case, build
-from test_dflash_prefetch import _MaskWork
 
 from specforge_csbp.data import FeatureStoreWriter, TargetInfo
 from specforge_csbp.models.dflash import drafter_step
+from tests.models.dflash.test_modes_equal_reference import Case, build
+from tests.models.dflash.test_prefetched_step_equals_inline import _MaskWork
+from tests.support.spawned import save_results, spawn_results
 
 CASE = Case("csbp", True, (53, 40), 5, block_size=4, window=7, seed=11)
 TOL = 1e-10

@@ -4,7 +4,7 @@ Every file-system operation of `save_checkpoint` (and the model writer) is a cra
 the save of step 2 once per point, stopping it there (the on-disk state equals a SIGKILL at that moment,
 as the save has no cleanup path), and checks that `latest` names step 1 or step 2, complete, and that the
 next save succeeds and removes the leftovers. A real SIGKILL during a trainer save is in
-test_reliability_resume.py.
+tests/reliability/test_exact_resume.py.
 """
 
 from __future__ import annotations

@@ -12,12 +12,12 @@ import re
 from pathlib import Path
 
 import pytest
-from test_reliability_common import SFT
 
 from specforge_csbp.cli.main import main
 from specforge_csbp.training.checkpoint import save_checkpoint
+from tests.support.reliability_runs import SFT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ONE = ["parallel.world_size=1", "parallel.cp_degree=1"]
 
 # id -> (overrides, fixture, expected text: the field and what is allowed)
@@ -205,7 +205,7 @@ def _table_rows() -> list[tuple[str, str]]:
 def test_the_docs_table_lists_every_case_and_only_existing_tests():
     rows = _table_rows()
     assert len(rows) >= 25
-    ours = [i for i, test in rows if "test_reliability_bad_inputs.py" in test]
+    ours = [i for i, test in rows if "tests/reliability/test_bad_input_table.py" in test]
     assert sorted(ours) == sorted(CASES)  # every case is documented, every documented case is tested
     for row_id, test in rows:
         for ref in re.findall(r"`(tests/[\w/]+\.py)::(\w+)", test):

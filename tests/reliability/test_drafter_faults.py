@@ -7,7 +7,7 @@
     crash       rank 1, step 2   -> every rank exits non-zero within 60 s (a few seconds), the crashed rank's
                                     own `[rank1]:` line names it, no process of the run is left
 
-The faults come from the test-only sitecustomize of test_reliability_drafter_resume.
+The faults come from the test-only sitecustomize of tests/reliability/test_drafter_resume.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import re
 import time
 
 import torch
-from test_reliability_drafter_resume import RUN_ID, build_run, draft_weights, specforge_train
+
+from tests.reliability.test_drafter_resume import RUN_ID, build_run, draft_weights, specforge_train
 
 
 def _left_behind(mark: str) -> list[int]:

@@ -22,7 +22,8 @@ import textwrap
 
 import torch
 import yaml
-from test_plugin_e2e import ASSETS, DRAFTER, _losses
+
+from tests.plugin.test_end_to_end import ASSETS, DRAFTER, _losses
 
 STEPS = 4
 RUN_ID = "rel"
@@ -83,7 +84,8 @@ def specforge_train(args: list[str], cwd, fault: str | None = None, timeout: int
 
 
 def build_run(tmp_path, *, steps: int = STEPS, samples: int = 8, save_interval: int = 2) -> None:
-    """The tiny bundled target + store (as in test_plugin_e2e), run.yaml and the fault sitecustomize."""
+    """The tiny bundled target + store (as in tests/plugin/test_end_to_end.py), run.yaml and the fault
+    sitecustomize."""
     from specforge_csbp.cli.main import main as csbp_main
 
     assert csbp_main([

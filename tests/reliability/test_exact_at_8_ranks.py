@@ -11,9 +11,9 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-from spawned import save_results, spawn_results
 
 from specforge_csbp.parallel.check import CheckCase, run_check
+from tests.support.spawned import save_results, spawn_results
 
 P = 8
 TOL = 1e-10

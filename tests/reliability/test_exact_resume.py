@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_reliability_common import log, max_rel, run_recipe, weights
 
 from specforge_csbp.distributed import spawn
 from specforge_csbp.distributed.launch import RankFailure
+from tests.support.reliability_runs import log, max_rel, run_recipe, weights
 
 STEPS = 5
 COMMON = [f"train.steps={STEPS}", "parallel.mode=csbp", "parallel.cp_degree=2"]

@@ -6,7 +6,7 @@ error names the failed rank, and no process (rank, or anything a rank started) i
             (timeout 4 s): rank 0 waits in the attention all-gather              -> "rank 1 hung: ..."
     torchrun  the same hang under `torchrun --standalone --nproc-per-node 2` (gloo): the watchdog started
             by init_from_env makes the ranks exit 124 naming rank 1, and torchrun stops the job
-    (SIGKILL of a rank and of the saving rank: tests/test_reliability_resume.py)
+    (SIGKILL of a rank and of the saving rank: tests/reliability/test_exact_resume.py)
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from test_reliability_common import all_gone, run_recipe
 
 from specforge_csbp.distributed import spawn
 from specforge_csbp.distributed.launch import HANG_EXIT_CODE, RankFailure, hang_report, heartbeat
+from tests.support.reliability_runs import all_gone, run_recipe
 
 
 def _record_pids(out: str, rank: int) -> None:

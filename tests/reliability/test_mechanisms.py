@@ -25,8 +25,7 @@ from specforge_csbp.data.manifest import TargetInfo
 from specforge_csbp.data.store import FeatureStore, FeatureStoreWriter
 from specforge_csbp.errors import load_json, load_yaml, one_line, read_lines
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DRAFTER = os.path.join(ROOT, "examples", "quickstart_drafter.json")
 CAPTURE = ["capture", "--target", TINY_TARGET_DIR, "--target-layer-ids", "1,3", "--max-length", "32", "--no-progress"]
 
@@ -492,9 +491,8 @@ def test_disk_full_in_a_spawned_rank_comes_back_as_one_line(tmp_path):
 
 
 def test_disk_full_at_a_train_bdlm_checkpoint_keeps_the_last_one(tmp_path, capsys, monkeypatch):
-    from test_reliability_common import SFT
-
     from specforge_csbp.training import checkpoint as ckpt
+    from tests.support.reliability_runs import SFT
 
     real, calls = torch.save, []
 

@@ -16,11 +16,11 @@ import types
 
 import pytest
 import torch
-from test_reliability_common import GRAD_PARAM, one_rank, run_recipe, weights
 
 from specforge_csbp.distributed import spawn
 from specforge_csbp.training.checkpoint import incomplete_reason
 from specforge_csbp.training.step import NonFiniteError, train_step
+from tests.support.reliability_runs import GRAD_PARAM, one_rank, run_recipe, weights
 
 
 class _Linear:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from test_reliability_common import log, max_rel, one_rank, run_recipe, seed_resume, weights
 
 from specforge_csbp.distributed import spawn
+from tests.support.reliability_runs import log, max_rel, one_rank, run_recipe, seed_resume, weights
 
 TOL = 1e-10
 BATCH = 2  # sequences per step (global batch), kept in every layout

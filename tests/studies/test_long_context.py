@@ -21,7 +21,7 @@ from specforge_csbp.eval.metrics import parse_bucket_edges
 from specforge_csbp.studies.long_context.documents import ASK, DocSpec, eval_prompts, make_document
 from specforge_csbp.studies.long_context.study import SCALES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_documents_are_deterministic_and_their_dependencies_hold():

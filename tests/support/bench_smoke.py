@@ -6,7 +6,7 @@ from pathlib import Path
 
 from specforge_csbp.bench.records import BenchRecord, load_records
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_bench_smoke(script: str, out: Path, *args: str, timeout: int = 600) -> list[BenchRecord]:

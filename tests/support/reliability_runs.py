@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from specforge_csbp.distributed.launch import free_port
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SFT = str(EXAMPLES / "bdlm_sft_tiny.yaml")
 BASE = [
     "train.precision=float64", "train.progress=false", "train.lr=1e-2", "train.warmup_steps=1",

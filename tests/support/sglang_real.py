@@ -34,7 +34,7 @@ from torch import nn
 
 __all__ = ["LoadResult", "SGLangDFlash", "import_sglang_dflash", "side_dir"]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _REAL = ("sglang.srt.models.dflash", "sglang.srt.speculative.dflash_utils")
 
 
@@ -303,7 +303,7 @@ def import_sglang_dflash(version: str) -> SGLangDFlash:
     return SGLangDFlash(version, modules, log)
 
 
-if __name__ == "__main__":  # python tests/sglang_real.py VERSION EXPORT_DIR: what SGLang's loader makes of it
+if __name__ == "__main__":  # python tests/support/sglang_real.py VERSION EXPORT_DIR: what SGLang's loader makes of it
     result = import_sglang_dflash(sys.argv[1]).load_export(sys.argv[2])
     print(json.dumps({"ok": result.ok, "ignored": result.ignored, "missing": result.missing,
                       "partial": result.partial, "params": len(result.params)}, indent=2))  # fmt: skip

@@ -20,7 +20,7 @@ import os
 
 __all__ = ["VLLMSource", "side_dir"]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _FILES = ("qwen3_dflash", "qwen3_dflash2", "qwen2")
 WEIGHTED = {
     "QKVParallelLinear",

@@ -25,7 +25,7 @@ from specforge_csbp.training.checkpointing import (
 )
 from specforge_csbp.training.config import TrainConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GiB = float(1 << 30)
 
 

@@ -3,7 +3,7 @@ single-process trainer (same recipe, cp_degree 1, no activation checkpointing), 
 accumulation, and against a resume from the CSBP run's first checkpoint. All in float64.
 
 transformers' RMSNorms compute in float32 even for float64 models, so two partitions agree to float32
-rounding of single rows (test_bdlm_exact.py proves 1e-10 with float64 norms); after two AdamW steps we
+rounding of single rows (tests/models/bdlm/test_modes_equal_reference.py proves 1e-10 with float64 norms); after two AdamW steps we
 allow 1e-7 relative - a wrong gradient or a lost micro batch is off by orders of magnitude more.
 """
 
@@ -25,7 +25,7 @@ from specforge_csbp.training.config import load_recipe
 from specforge_csbp.training.context import TrainContext
 from specforge_csbp.training.trainer import train
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SFT = str(EXAMPLES / "bdlm_sft_tiny.yaml")
 CONVERT = str(EXAMPLES / "bdlm_convert_tiny.yaml")
 COMMON = ["train.steps=2", "train.precision=float64", "train.save_every=1", "train.progress=false",

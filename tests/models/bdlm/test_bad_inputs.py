@@ -14,7 +14,7 @@ from specforge_csbp.models.bdlm.tiny import TINY_CONFIGS
 from specforge_csbp.objectives.convert import ConvertObjective
 from specforge_csbp.objectives.sft import SFTObjective
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
 
 def _cli_error(capsys, *args: str) -> str:

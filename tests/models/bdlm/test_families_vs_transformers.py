@@ -233,9 +233,9 @@ def test_train_bdlm_moe_checkpoint_continues_as_pretrained(tmp_path, capsys):
 
     from specforge_csbp.cli.main import main
 
-    recipe = str(Path(__file__).resolve().parents[1] / "examples" / "bdlm_convert_qwen3_moe_tiny.yaml")
+    recipe = str(Path(__file__).resolve().parents[3] / "examples" / "bdlm_convert_qwen3_moe_tiny.yaml")
     first = tmp_path / "first"
-    one = ["parallel.world_size=1", "parallel.cp_degree=1"]  # no process start (CSBP: test_bdlm_exact.py)
+    one = ["parallel.world_size=1", "parallel.cp_degree=1"]  # no process start (CSBP: tests/models/bdlm/test_modes_equal_reference.py)
     assert main(["train-bdlm", "-c", recipe, *one, "train.steps=2", "train.warmup_steps=0",
                  f"train.output_dir={first}", "train.progress=false"]) == 0  # fmt: skip
     ckpt = first / "step_00000002"

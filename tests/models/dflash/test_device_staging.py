@@ -12,12 +12,12 @@ staged, a sliding layer type used twice, D-PACE, regather) and CP.
 
 import pytest
 import torch
-from spawned import save_results, spawn_results
-from test_dflash_parallel import Case, build
 from torch.overrides import TorchFunctionMode
 
 from specforge_csbp.distributed.collectives import CommStats
 from specforge_csbp.models.dflash import AttentionOptions, StepPrefetcher, drafter_step, prepare_step
+from tests.models.dflash.test_modes_equal_reference import Case, build
+from tests.support.spawned import save_results, spawn_results
 
 SLIDING_TWICE = ("sliding_attention", "full_attention", "sliding_attention")
 CASES = [
@@ -26,7 +26,7 @@ CASES = [
     Case("csbp", True, (52,), 5, loss_type="dpace", regather=True, seed=2),
     Case("cp", True, (44, 31), 3, layer_types=("full_attention", "sliding_attention"), seed=4),
 ]  # fmt: skip
-FEATURE_WIDTH = 64  # test_dflash_parallel.build: 2 target layers x hidden 32
+FEATURE_WIDTH = 64  # tests/models/dflash/test_modes_equal_reference.py build(): 2 target layers x hidden 32
 MOVES = ("to", "cuda", "tensor", "as_tensor", "asarray", "new_tensor")
 SYNCS = ("nonzero", "argwhere", "masked_select")
 

@@ -3,10 +3,10 @@ runs layer i, hands each layer its own handle, and computes what it computes wit
 
 import pytest
 import torch
-from test_dflash_parallel import Case, build
 
 from specforge_csbp.models.dflash import reference_attention
 from specforge_csbp.models.dflash.modeling import LayerAttention
+from tests.models.dflash.test_modes_equal_reference import Case, build
 
 
 class LoggedAttend:

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from spawned import save_results, spawn_results
 
 from specforge_csbp.distributed.collectives import CommStats
 from specforge_csbp.models.dflash import (
@@ -22,6 +21,7 @@ from specforge_csbp.models.dflash import (
     make_dflash_config,
 )
 from specforge_csbp.objectives.dflash import DFlashObjective
+from tests.support.spawned import save_results, spawn_results
 
 TOL = 1e-10
 

@@ -14,7 +14,7 @@ from specforge_csbp.models.dflash import step as dflash_step
 from specforge_csbp.models.dflash.modeling import DFlashDraftModel
 from specforge_csbp.objectives.dflash import LossIndex, acceptance_stats
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def test_acceptance_stats_by_hand():
@@ -59,7 +59,7 @@ def _bench_module():
 
 
 def test_plugin_and_benchmark_run_the_same_step(tmp_path, monkeypatch):
-    from test_plugin_eval import _store, _training_model, make_stores  # noqa: F401 - a tiny plugin setup
+    from tests.plugin.test_eval_during_training import _store, _training_model, make_stores  # noqa: F401 - a tiny plugin setup
 
     calls = {"plugin": 0, "bench": 0}
     where = {"path": None, "inside": False}

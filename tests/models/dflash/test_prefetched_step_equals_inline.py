@@ -9,8 +9,8 @@ import threading
 
 import pytest
 import torch
-from spawned import save_results, spawn_results
-from test_dflash_parallel import Case, build
+from tests.support.spawned import save_results, spawn_results
+from tests.models.dflash.test_modes_equal_reference import Case, build
 
 from specforge_csbp.masks.visibility import Visibility
 from specforge_csbp.models.dflash import AttentionOptions, StepPrefetcher, drafter_step, prepare_step
