@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import create_block_mask
 
 import specforge_csbp.attention.flex as flex_backend
 from specforge_csbp.attention import partial_attention
@@ -31,10 +31,9 @@ def test_chunked_block_mask_equals_create_block_mask(budget):
         assert torch.equal(ours.full_kv_num_blocks, theirs.full_kv_num_blocks)
 
 
-def test_flex_forward_with_our_block_mask_equals_the_dense_seam(monkeypatch):
+def test_flex_forward_with_our_block_mask_equals_the_dense_seam(eager_flex):
     """Lengths that are not multiples of 128 (320 tokens over 3 ranks): the block mask covers whole tiles, the
     inputs are padded to them (PAD rows) and the outputs cut back - the dense seam's result (eager flex)."""
-    monkeypatch.setattr(flex_backend, "_compiled_flex", lambda: flex_attention)
     torch.manual_seed(0)
     plan = bdlm_plan("csbp", 320, 16, 3)[1]
     vis = Visibility(plan.q_tokens, plan.kv_tokens, 16)

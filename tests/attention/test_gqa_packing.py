@@ -9,9 +9,7 @@ packed block masks. The automatic rule packs a drafter sliding-window plan becau
 
 import pytest
 import torch
-from torch.nn.attention.flex_attention import flex_attention
 
-import specforge_csbp.attention.flex as flex_backend
 from specforge_csbp.attention import partial_attention, prepare_attention
 from specforge_csbp.attention.flex import block_mask_for, tile_visits
 from specforge_csbp.attention.packing import (
@@ -29,11 +27,6 @@ from specforge_csbp.models.dflash import drafter_plans, make_dflash_config
 from specforge_csbp.objectives.dflash import DFlashObjective, sample_anchors
 
 KV_HEADS, HEAD_DIM = 2, 8
-
-
-@pytest.fixture
-def eager_flex(monkeypatch):
-    monkeypatch.setattr(flex_backend, "_compiled_flex", lambda: flex_attention)
 
 
 def _bdlm_visibilities():

@@ -8,9 +8,7 @@ documented permutation.
 
 import pytest
 import torch
-from torch.nn.attention.flex_attention import flex_attention
 
-import specforge_csbp.attention.flex as flex_backend
 from specforge_csbp.attention import order, partial_attention
 from specforge_csbp.attention.order import reversed_queries
 from specforge_csbp.masks import Visibility
@@ -64,8 +62,7 @@ def test_reversed_view_is_the_documented_permutation():
     assert torch.equal(rev.dense(), vis.dense().flip(0)) and rev.dense().shape[0] == n
 
 
-def test_flex_reversed_forward_equals_dense(monkeypatch, reverse):
-    monkeypatch.setattr(flex_backend, "_compiled_flex", lambda: flex_attention)
+def test_flex_reversed_forward_equals_dense(eager_flex, reverse):
     g = torch.Generator().manual_seed(4)
     cases = [c for i, c in enumerate(_drafter_visibilities()) if i % 4 == 0] + list(_bdlm_visibilities())[::7]
     for name, vis in cases:

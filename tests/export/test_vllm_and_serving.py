@@ -14,6 +14,7 @@ from specforge_csbp.export.vllm_contract import VLLM_PREFIX, VLLM_STACKED, check
 from specforge_csbp.export.writer import export_drafter, serve_commands
 from specforge_csbp.models.dflash.configuration import DFlashConfig, make_dflash_config
 from tests.export.test_sglang_contract import _tiny
+from tests.support.checks import raises_one_line
 from tests.support.vllm_source import VLLMSource
 
 VLLM = "0.33.0"
@@ -174,16 +175,11 @@ _BASE = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "nu
              "sliding_window": 8}  # fmt: skip
 
 
-def _one_line(match, fn, *args, **kw):
-    with pytest.raises(ValueError, match=match) as info:
-        fn(*args, **kw)
-    assert "\n" not in str(info.value)
-
-
 def test_causal_true_with_a_full_attention_layer_is_refused():
-    _one_line(r"^is_causal = true makes SGLang and vLLM run full_attention layers causally, which the trainer keeps "
-              r"bidirectional; allowed: false, unset, or true only when every layer is sliding_attention$",
-              make_dflash_config, **_BASE, layer_types=["sliding_attention", "full_attention"], is_causal=True)  # fmt: skip
+    raises_one_line(r"^is_causal = true makes SGLang and vLLM run full_attention layers causally, which the trainer "
+                    r"keeps bidirectional; allowed: false, unset, or true only when every layer is sliding_attention$",
+                    make_dflash_config, **_BASE, layer_types=["sliding_attention", "full_attention"],
+                    is_causal=True)  # fmt: skip
     config = make_dflash_config(**_BASE, layer_types=["sliding_attention"] * 2, is_causal=True)
     assert config.sliding_layers_causal
     assert not make_dflash_config(**_BASE, layer_types=["sliding_attention", "full_attention"],
@@ -194,8 +190,9 @@ def test_dflash_config_causal_is_refused():
     data = make_dflash_config(**_BASE, layer_types=["sliding_attention", "full_attention"]).to_dict()
     for value in (False, True):
         data["dflash_config"]["causal"] = value
-        _one_line(rf"^dflash_config.causal = {value} is not read by SGLang \(vLLM applies it to every layer\); "
-                  r"remove it and set the top-level is_causal: false", DFlashConfig(**data).validate_dflash)  # fmt: skip
+        raises_one_line(rf"^dflash_config.causal = {value} is not read by SGLang \(vLLM applies it to every "
+                        r"layer\); remove it and set the top-level is_causal: false",
+                        DFlashConfig(**data).validate_dflash)  # fmt: skip
     data["dflash_config"].pop("causal")
     data["is_causal"] = "yes"
-    _one_line(r"^is_causal must be true, false or unset; got 'yes'$", DFlashConfig(**data).validate_dflash)
+    raises_one_line(r"^is_causal must be true, false or unset; got 'yes'$", DFlashConfig(**data).validate_dflash)

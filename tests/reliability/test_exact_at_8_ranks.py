@@ -13,15 +13,12 @@ import torch
 import torch.distributed as dist
 
 from specforge_csbp.parallel.check import CheckCase, run_check
+from tests.support.checks import rel_err
 from tests.support.spawned import save_results, spawn_results
 
 P = 8
 TOL = 1e-10
 MODES = ("csbp", "cp", "bp")
-
-
-def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((x - ref).abs().max() / ref.abs().max().clamp_min(1e-300))
 
 
 # -- core attention: out, lse, dq, dk, dv ----------------------------------------------------------------------
@@ -92,7 +89,7 @@ def _bdlm_all(rank: int) -> list[dict]:
             if rank == 0:
                 errors = {
                     "loss": abs(loss - ref[0]) / ref[0],
-                    **{n: _rel(grads[n], g) for n, g in ref[1].items()},
+                    **{n: rel_err(grads[n], g) for n, g in ref[1].items()},
                 }
                 zero = [n for n, g in ref[1].items() if not g.abs().max() > 0]
                 out.append({"case": f"bdlm {kind} {mode}", "errors": errors, "zero": zero})
@@ -146,7 +143,7 @@ def _drafter_all(rank: int) -> list[dict]:
             ref_loss, ref = _drafter(dflash2, "reference", seq_len, anchors, None)
             errors = {
                 "loss": abs(loss - ref_loss) / abs(ref_loss),
-                **{n: _rel(grads[n], g) for n, g in ref.items()},
+                **{n: rel_err(grads[n], g) for n, g in ref.items()},
             }
             zero = [n for n, g in ref.items() if not g.abs().max() > 0]
             out.append({"case": f"drafter dflash2={dflash2} {mode} L={seq_len} N={anchors}", "errors": errors,

@@ -20,7 +20,8 @@ import torch
 from specforge_csbp.distributed import spawn
 from specforge_csbp.training.checkpoint import incomplete_reason
 from specforge_csbp.training.step import NonFiniteError, train_step
-from tests.support.reliability_runs import GRAD_PARAM, one_rank, run_recipe, weights
+from tests.support.reliability_runs import GRAD_PARAM, run_recipe, weights
+from tests.support.spawned import one_rank_group
 
 
 class _Linear:
@@ -52,7 +53,7 @@ def test_the_step_is_refused_and_nothing_changes():
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     work = _Linear()
     ctx = types.SimpleNamespace(autocast=contextlib.nullcontext)
-    with one_rank():
+    with one_rank_group():
         train_step(model, opt, work, ctx, 0, grad_clip=1.0)
         params, state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
         for poison, tensor in (("nan", "loss numerator of micro batch 0 (nan)"),

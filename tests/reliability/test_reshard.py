@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from specforge_csbp.distributed import spawn
-from tests.support.reliability_runs import log, max_rel, one_rank, run_recipe, seed_resume, weights
+from tests.support.reliability_runs import log, max_rel, run_recipe, seed_resume, weights
+from tests.support.spawned import one_rank_group
 
 TOL = 1e-10
 BATCH = 2  # sequences per step (global batch), kept in every layout
@@ -55,7 +56,7 @@ def test_p4_checkpoint_resumes_under_other_layouts(tmp_path):
     for name in ("p2", "dp2", "p1"):
         seed_resume(tmp_path / "p4", 1, tmp_path / name)
     spawn(_two_ranks, 2, str(tmp_path))
-    with one_rank():
+    with one_rank_group():
         _resume(tmp_path, "p1")
 
     checkpoint = weights(tmp_path / "p4", 1)

@@ -12,7 +12,6 @@ injects faults, and helpers to read runs back.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -20,10 +19,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 
-from specforge_csbp.distributed.launch import free_port
+from tests.support.checks import rel_err
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SFT = str(EXAMPLES / "bdlm_sft_tiny.yaml")
@@ -110,15 +108,6 @@ def run_recipe(overrides: list[str], **wrap) -> list[dict]:
     return train(Wrapped(build_workload(recipe), **wrap), recipe.train, recipe.parallel)
 
 
-@contextlib.contextmanager
-def one_rank():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def seed_resume(src: Path, step: int, dst: Path) -> None:
     """A fresh output_dir whose only checkpoint is a copy of `src`'s step `step` (what a new job resumes)."""
     import shutil
@@ -140,7 +129,7 @@ def weights(run: Path, step: int | None = None) -> dict[str, torch.Tensor]:
 
 def max_rel(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-300)) for k in a)
+    return max(rel_err(a[k], b[k]) for k in a)
 
 
 def all_gone(pids, within: float = 5.0) -> bool:

@@ -3,27 +3,26 @@ single-process trainer (same recipe, cp_degree 1, no activation checkpointing), 
 accumulation, and against a resume from the CSBP run's first checkpoint. All in float64.
 
 transformers' RMSNorms compute in float32 even for float64 models, so two partitions agree to float32
-rounding of single rows (tests/models/bdlm/test_modes_equal_reference.py proves 1e-10 with float64 norms); after two AdamW steps we
-allow 1e-7 relative - a wrong gradient or a lost micro batch is off by orders of magnitude more.
+rounding of single rows (tests/models/bdlm/test_modes_equal_reference.py proves 1e-10 with float64 norms);
+after two AdamW steps we allow 1e-7 relative - a wrong gradient or a lost micro batch is off by orders of
+magnitude more.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 
 from specforge_csbp.cli.main import main
-from specforge_csbp.distributed.launch import free_port
 from specforge_csbp.models.bdlm.recipe import BDLMRecipe, build_workload, preflight
 from specforge_csbp.training.config import load_recipe
 from specforge_csbp.training.context import TrainContext
 from specforge_csbp.training.trainer import train
+from tests.support.spawned import one_rank_group
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SFT = str(EXAMPLES / "bdlm_sft_tiny.yaml")
@@ -33,18 +32,9 @@ COMMON = ["train.steps=2", "train.precision=float64", "train.save_every=1", "tra
 TOL = 1e-7
 
 
-@contextlib.contextmanager
-def _one_rank():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _train_here(path: str, overrides: list[str]) -> list[dict]:
     recipe = load_recipe(BDLMRecipe, path, overrides + ["parallel.world_size=1", "parallel.cp_degree=1"])
-    with _one_rank():
+    with one_rank_group():
         return train(build_workload(recipe), recipe.train, recipe.parallel)
 
 

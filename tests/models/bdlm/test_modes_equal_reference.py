@@ -28,6 +28,7 @@ from specforge_csbp.models.bdlm.tiny import TINY_CONFIGS, float64_norms, float64
 from specforge_csbp.objectives.convert import ConvertObjective
 from specforge_csbp.objectives.sft import SFTObjective
 from specforge_csbp.training.step import global_denominator, reduce_gradients
+from tests.support.checks import rel_err
 
 BLOCK, BLOCKS, SEQS, VOCAB, MASK = 4, 5, 3, 64, 63
 L = BLOCK * BLOCKS
@@ -135,10 +136,6 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
         torch.save({"loss": loss, "grads": grads}, os.path.join(out_dir, f"{i}-reference.pt"))
 
 
-def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((x - ref).abs().max() / ref.abs().max().clamp_min(1e-300))
-
-
 def test_bdlm_modes_equal_reference(tmp_path):
     spawn(_worker, 4, str(tmp_path), timeout_s=300)
     for i, (setup, modes) in enumerate(SETUPS.items()):
@@ -152,7 +149,7 @@ def test_bdlm_modes_equal_reference(tmp_path):
             where = f"{setup} {mode} P={p}"
             assert abs(got["loss"] - ref_loss) / ref_loss <= TOL, f"{where}: loss {got['loss']} vs {ref_loss}"
             assert got["grads"].keys() == ref_grads.keys()
-            errors = {n: _rel(got["grads"][n], ref_grads[n]) for n in ref_grads}
+            errors = {n: rel_err(got["grads"][n], ref_grads[n]) for n in ref_grads}
             worst = max(errors, key=errors.get)
             assert errors[worst] <= TOL, f"{where}: grad {worst} max rel err {errors[worst]:.2e}"
 

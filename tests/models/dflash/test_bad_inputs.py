@@ -1,6 +1,5 @@
 """Bad drafter inputs fail early with one-line errors that name the field and the allowed values."""
 
-import pytest
 import torch
 
 from specforge_csbp.models.dflash import (
@@ -12,6 +11,7 @@ from specforge_csbp.models.dflash import (
     make_dflash_config,
 )
 from specforge_csbp.objectives.dflash import DFlashObjective, sample_anchors
+from tests.support.checks import raises_one_line
 
 BASE = {
     "hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
@@ -21,12 +21,6 @@ BASE = {
 
 def config(**kw):
     return make_dflash_config(**{**BASE, **kw})
-
-
-def raises_one_line(match, fn, *args, **kw):
-    with pytest.raises(ValueError, match=match) as info:
-        fn(*args, **kw)
-    assert "\n" not in str(info.value)
 
 
 def test_target_layer_ids_out_of_range():

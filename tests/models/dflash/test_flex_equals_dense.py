@@ -8,16 +8,9 @@ bidirectional draft blocks), full layers, and plans padded to a row bucket.
 
 import pytest
 import torch
-from torch.nn.attention.flex_attention import flex_attention
 
-import specforge_csbp.attention.flex as flex_backend
 from specforge_csbp.models.dflash import drafter_plans, make_dflash_config, plan_attention
 from specforge_csbp.objectives.dflash import DFlashObjective, sample_anchors
-
-
-@pytest.fixture
-def eager_flex(monkeypatch):
-    monkeypatch.setattr(flex_backend, "_compiled_flex", lambda: flex_attention)
 
 
 @pytest.mark.parametrize("is_causal", [None, False])

@@ -21,6 +21,7 @@ from specforge_csbp.models.dflash import (
     make_dflash_config,
 )
 from specforge_csbp.objectives.dflash import DFlashObjective
+from tests.support.checks import rel_err
 from tests.support.spawned import save_results, spawn_results
 
 TOL = 1e-10
@@ -103,10 +104,6 @@ def run(case: Case, mode: str, stats=None, group=None):
     return res, grads
 
 
-def _rel(x, ref):
-    return float((x - ref).abs().max() / ref.abs().max().clamp_min(1e-300))
-
-
 def _worker(rank, world, out_dir):
     import torch.distributed as dist
 
@@ -122,7 +119,7 @@ def _worker(rank, world, out_dir):
             if rank == 0:
                 ref, ref_grads = run(case, "reference")
                 errors = {"loss": abs(res.loss - ref.loss) / abs(ref.loss)}
-                errors.update({n: _rel(grads[n], ref_grads[n]) for n in ref_grads})
+                errors.update({n: rel_err(grads[n], ref_grads[n]) for n in ref_grads})
                 zero = [n for n, g in ref_grads.items() if not g.abs().max() > 0]
                 results[size].append({
                     "case": repr(case), "errors": errors, "zero_grads": zero,
