@@ -23,7 +23,7 @@ ranks' shards ++ owned blocks) and times it on random bf16 tensors after `fresh_
                        with --world-size ranks (each rank runs its own plan; on CPU: gloo, dense seam)
 
 Prints one line per variant (lengths, tiles visited, ms); diagnostics only, no records. On CPU the same
-paths run at small sizes (forward only through eager FlexAttention; tests/test_flex_layer_bench_smoke.py).
+paths run at small sizes (forward only through eager FlexAttention; tests/benchmarks/test_flex_layer_bench_smoke.py).
 """
 
 from __future__ import annotations

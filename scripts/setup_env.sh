@@ -11,7 +11,7 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints/cpu.txt -e ".[test]"
 .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints/cpu.txt -r requirements/specforge-cpu.txt
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps specforge==0.2.0
-# The real-loader contract test (tests/test_export_real_loaders.py) imports SGLang's own DFlash drafter code:
+# The real-loader contract test (tests/export/test_sglang_real_loaders.py) imports SGLang's own DFlash drafter code:
 # sglang wheels without their dependencies, each in its own side dir (cached; a failed unpack is redone).
 # 0.5.14 = SpecForge 0.2.0's pin (DFlash only), 0.5.17 / 0.5.18 = before / from a top-level is_causal: false,
 # 0.5.19 = the first release with DFlash2, 0.5.23 = the newest.

@@ -9,7 +9,7 @@
       their features are appended to the drafter's context, x = t(k), n += k + 1
 
 Every committed token is the target's own argmax given the tokens before it, so the output equals plain
-greedy decoding of the target token for token (tests/test_eval_loop.py); the drafter only decides how many
+greedy decoding of the target token for token (tests/eval/test_loop.py); the drafter only decides how many
 tokens one verify step commits.
 """
 

@@ -1,7 +1,7 @@
 """What vLLM's DFlash / DFlash2 drafter loaders read, and the check that replays it on an export.
 
 Source: vllm `model_executor/models/qwen3_dflash.py` (DFlashQwen3ForCausalLM, DFlashQwen3Model) and
-`qwen3_dflash2.py` (DFlash2Qwen3ForCausalLM), read for this project; tests/test_export_vllm.py reads the
+`qwen3_dflash2.py` (DFlash2Qwen3ForCausalLM), read for this project; tests/export/test_vllm_and_serving.py reads the
 tables below out of the wheel's source, so they cannot drift from it unnoticed.
 
     checkpoint name                      vLLM parameter (after its own prefixing and fusing)

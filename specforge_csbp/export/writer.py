@@ -37,7 +37,7 @@ EXPORT_FORMAT = "specforge-csbp-export/1"
 TARGETS = ("sglang", "vllm", "hf")
 # The first releases that load each architecture as this project trains it (docs/specforge.md, "Serving"):
 # SGLang 0.5.14 (SpecForge 0.2.0's pin) registers only DFlashDraftModel; DFlash2DraftModel arrives in 0.5.19.
-# Checked in CI against the wheels' own loaders (tests/test_export_real_loaders.py).
+# Checked in CI against the wheels' own loaders (tests/export/test_sglang_real_loaders.py).
 SGLANG_FLOORS = {"DFlashDraftModel": "0.5.14", "DFlash2DraftModel": "0.5.19"}
 # A top-level is_causal: false is honoured from SGLang 0.5.18 on; before, sliding layers stay causal.
 SGLANG_IS_CAUSAL_FLOOR = "0.5.18"

@@ -54,7 +54,7 @@ causal clean rule (rows = queries at positions 0..11, columns = clean keys 0..11
   served model denoises block b with the clean blocks < b in its KV cache, and its sliding layer lets
   the query at p attend to cached keys with p - pos < W (transformers' sliding mask and flash-attention
   window alike) plus its own block. Training the corrupted block on that same window is what makes the
-  trained denoiser the one the served model runs (tests/test_bdlm_families.py checks it against
+  trained denoiser the one the served model runs (tests/models/bdlm/test_families_vs_transformers.py checks it against
   transformers' own sliding-window forward).
 
 Evaluated as ranges. Every key gets one coordinate x and every query two half-open ranges, so a mask

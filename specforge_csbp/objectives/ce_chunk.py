@@ -10,7 +10,7 @@ the chunk once or twice in the GEMM's dtype and writes the gradient once:
     backward  raw, lse, g, y           ->  dz = g * (softmax(z) - onehot(y))             in the dtype asked
 
 `fused=None` compiles on CUDA and runs eagerly elsewhere (the float64 CPU tests); both compute the same
-function (tests/test_ce_chunk.py runs the compiled form on CPU against the eager one).
+function (tests/objectives/test_ce_chunk_compiled_equals_eager.py runs the compiled form on CPU against the eager one).
 """
 
 from __future__ import annotations

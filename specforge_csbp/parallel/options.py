@@ -5,7 +5,7 @@
     BDLM recipe            ┘                                                   ─► ShardedAttention(plan, options=...)
 
 Every field changes how the attention is computed, never what it computes: every combination gives the
-float64 reference's out, lse and gradients (tests/test_modes_exact.py, tests/test_dflash_parallel.py).
+float64 reference's out, lse and gradients (tests/parallel/test_modes_equal_reference.py, tests/models/dflash/test_modes_equal_reference.py).
 A leaf module (it imports only the seam's list of backends and the byte counters), so the executor, the
 drafter's plans and step, the prefetch worker and the plugin all take the same object.
 """

@@ -10,7 +10,7 @@ K/V for GQA, the gathered K/V buffer (P x segment rows), and with the dense back
 [B, H, Nq, Nk] buffers (attention/dense.py: masked scores, scores - lse, probabilities; in backward
 probabilities, dP - rowsum, dS) plus the cached boolean masks. FlexAttention has no score-sized buffer.
 
-tests/test_planner_memory.py compares this with the peak of torch's CPU allocations (profiler) on gloo
+tests/planner/test_attention_memory_vs_measured.py compares this with the peak of torch's CPU allocations (profiler) on gloo
 ranks; the stated tolerance is 5% (measured: within 3.2%).
 
 Training step: see `bdlm_step_memory` and `drafter_step_memory` (GPU, bf16, FlexAttention).

@@ -8,7 +8,7 @@ slow at 1M tokens. `count_visible` counts the same pairs in O(N log N) from sort
     noisy query:                 # clean keys with pos <  q.start   (and >= q.start - window, if windowed)
                                + # noisy keys with block == q.block
 
-tests/test_planner_pairs.py checks it equals `Visibility(q, k).dense().sum()` for every mode's plans.
+tests/planner/test_pairs_equal_visibility.py checks it equals `Visibility(q, k).dense().sum()` for every mode's plans.
 
 BDLM layouts are block aligned (zigzag chunks and owned blocks are whole blocks), so a plan of L tokens in
 blocks of S has exactly the block structure of the plan of B = L/S tokens in blocks of 1. `bdlm_rank_stats`

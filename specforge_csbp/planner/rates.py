@@ -157,7 +157,7 @@ def _layer_tflops(device: torch.device, z: dict) -> float:
     cos_sin = rope(x, torch.arange(z["seq"], device=device)[None])
     grad = torch.randn_like(x)
     # FLOPs as the cost model counts them: 2 x the layer's weights per row (shapes.ModelShape.layer_params
-    # counts the same q, k, v, o, gate, up, down; tests/test_planner_rates.py checks they agree).
+    # counts the same q, k, v, o, gate, up, down; tests/planner/test_work_rates.py checks they agree).
     weights = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
 
     def step():

@@ -14,7 +14,7 @@ one by one (a norm, a new fp32 gradient, a scale, a copy back per tensor) and ru
 
 and keeps everything else of the parent: the masters, the schedule, `state_dict` / `load_state_dict` (a
 checkpoint of either class resumes under the other). The update equals SpecForge's up to float rounding
-(the same formulas, other reduction orders); `tests/test_plugin_optimizer.py` compares them step by step.
+(the same formulas, other reduction orders); `tests/plugin/test_fused_optimizer.py` compares them step by step.
 Used by the plugin's workers for the CSBP strategies (`install`); CPU-offloaded masters keep SpecForge's own.
 """
 

@@ -7,7 +7,7 @@ would not fit in the device's memory without.
                                                                  micro batch, the CP plan, the precision
       + under autocast: the fp32 copies HF's RMSNorms save        AUTOCAST_ROW_BYTES_PER_HIDDEN x hidden per
         (the planner counts every activation in bf16) and the     row and layer (measured on a Qwen3 layer:
-        bf16 weight copies autocast caches for the step           tests/test_activation_checkpointing_auto.py),
+        bf16 weight copies autocast caches for the step           tests/training/test_activation_checkpointing_auto.py),
                                                                   2 bytes per parameter
     + headroom (HEADROOM_GIB + HEADROOM_SHARE of it: the prediction was >= 13% under the one GPU point)
     <= memory this process can use (free + what it already holds: the model's weights)

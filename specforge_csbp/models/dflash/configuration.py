@@ -1,6 +1,6 @@
 """DFlashConfig: a Qwen3 config plus the DFlash fields SGLang's DFLASH / DFLASH2 loaders read.
 
-config.json of an exported drafter (the serving contract, tests/test_dflash_contract.py):
+config.json of an exported drafter (the serving contract, tests/models/dflash/test_loader_contract.py):
 
     model_type            "qwen3"          (SGLang builds the config with AutoConfig)
     architectures         ["DFlashDraftModel"] or ["DFlash2DraftModel"]

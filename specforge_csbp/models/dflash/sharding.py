@@ -131,7 +131,7 @@ def own_anchor_runs(anchors: torch.Tensor, config: DFlashConfig, world_size: int
     A rank's draft blocks are its query rows, Q_TILE_ROWS / S blocks to a kernel tile. Owning single anchors
     (heaviest with lightest) gives each tile every P-th anchor, so the tile's blocks - and, in sliding-window
     layers, their windows - lie P times further apart than in CP's tiles, which hold consecutive anchors:
-    more partially filled tiles for the same pairs (tests/test_dflash_tiles.py). Runs of consecutive anchors
+    more partially filled tiles for the same pairs (tests/models/dflash/test_csbp_tiles_vs_cp.py). Runs of consecutive anchors
     fill a tile, and dual-end pairing of runs keeps the prefix costs balanced:
 
         anchors (sorted):  a0 a1 | a2 a3 | a4 a5 | a6 a7      runs of 2, P = 2

@@ -8,7 +8,7 @@
 
 DP gives whole sequences to ranks (sequence i on rank i % P); CP and CSBP run every sequence on all ranks
 with its context zigzag-sharded (sharding.py). Every mode's loss and parameter gradients equal the
-single-process reference (tests/test_dflash_parallel.py).
+single-process reference (tests/models/dflash/test_modes_equal_reference.py).
 
 One sample's work is the same code wherever it runs: `plan_sample` (anchors -> mode -> this rank's plan ->
 block targets) and `sample_terms` (features -> model -> loss numerator, denominator share, stats) are what

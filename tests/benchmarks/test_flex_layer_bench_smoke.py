@@ -1,0 +1,35 @@
+"""benchmarks/flex_layer_bench.py runs every variant's code path on CPU at a small size: the seam variants in
+one process (eager FlexAttention, forward), the executor variants on 2 gloo ranks through torchrun."""
+
+import re
+import subprocess
+import sys
+
+from tests.support.bench_smoke import ROOT
+
+ARGS = ["benchmarks/flex_layer_bench.py", "--shape", "a", "--context", "4K", "--anchors", "16", "--iters", "1",
+        "--warmup", "0"]  # fmt: skip
+LINE = re.compile(r"^(\S+)\s+q\s+(\d+) k\s+(\S+) pack_gqa .* fwd\+bwd\s+([\d.]+) ms$", re.M)
+
+
+def _run(cmd):
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return {m.group(1): m for m in LINE.finditer(proc.stdout)}
+
+
+def test_seam_variants_run_on_cpu():
+    variants = ["cp:static", "csbp:dynamic+divisible", "csbp:static+split", "csbp:static+rev+nopack"]
+    lines = _run([sys.executable, *ARGS, "--variants", ",".join(variants)])
+    assert set(lines) == set(variants)
+    assert "+" in lines["csbp:static+split"].group(3)  # two calls: local keys + the other rank's keys
+    assert lines["cp:static"].group(2) == str(16 * 16)  # CP: every anchor's block on every rank
+    assert int(lines["csbp:static+rev+nopack"].group(2)) < 16 * 16  # CSBP: this rank's own blocks
+
+
+def test_executor_variants_run_on_two_gloo_ranks():
+    variants = ["cp:static+executor", "csbp:static+executor"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *ARGS,
+           "--variants", ",".join(variants)]  # fmt: skip
+    lines = _run(cmd)
+    assert set(lines) == set(variants)

@@ -1,0 +1,87 @@
+"""benchmarks/trainer_bench.py at tiny size on CPU: stock `specforge train` (dflash) and `specforge train
+--csbp` on the same bytes, step times read from the trainers' own logs, each step broken down from
+SpecForge's own profiler window."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import statistics
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import trainer_bench  # noqa: E402
+
+DRAFTER = os.path.join(ROOT, "examples", "quickstart_drafter.json")
+
+
+def test_step_lines_and_trace_summary(tmp_path):
+    log = "noise\nstep 1: {'loss': 2.0, 'perf/optimizer_step_time_s': 0.5}\nstep 2: {'train/perf/optimizer_step_time_s': 0.25}\n"
+    metrics = trainer_bench.step_metrics(log)
+    assert sorted(metrics) == [1, 2]
+    assert trainer_bench._metric(metrics[2], "perf/optimizer_step_time_s") == 0.25
+    events = [
+        {"ph": "X", "name": "Optimizer.step#AdamW.step", "dur": 3000},
+        {"ph": "X", "name": "Optimizer.zero_grad#AdamW.zero_grad", "dur": 1000},
+        {"ph": "X", "name": "cudaStreamSynchronize", "dur": 500, "cat": "cuda_runtime"},
+        {"ph": "X", "name": "aten::_local_scalar_dense", "dur": 10},
+        {"ph": "X", "name": "gemm", "dur": 8000, "cat": "kernel"},
+        {"ph": "i", "name": "Optimizer.step#AdamW.step", "dur": 99000},  # not a complete event
+    ]
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    s = trainer_bench.trace_summary(str(path), steps=2)
+    assert s == {"optimizer": 2.0, "host_sync_ms": 0.25, "host_syncs": 0.5, "item_calls": 0.5, "gpu_kernels_ms": 4.0}
+
+
+def test_bad_arguments_name_the_flag():
+    with pytest.raises(SystemExit):
+        trainer_bench.parse_args(["--draft-config", DRAFTER, "--work", "w", "--out", "o", "--modes", "csbp,bogus"])
+    with pytest.raises(SystemExit):
+        trainer_bench.parse_args(["--draft-config", DRAFTER, "--work", "w", "--out", "o", "--steps", "3",
+                                  "--warmup", "2", "--profile-steps", "1"])  # fmt: skip
+
+
+@pytest.mark.slow
+def test_both_trainers_on_identical_bytes(tmp_path):
+    work, out = tmp_path / "work", tmp_path / "rec.jsonl"
+    rc = trainer_bench.main([
+        "--draft-config", DRAFTER, "--no-dflash2", "--context", "256", "--samples", "3", "--steps", "5",
+        "--warmup", "1", "--profile-steps", "1", "--anchors", "8", "--work", str(work), "--out", str(out),
+        "--trace-dir", str(tmp_path / "traces"), "--keep-data",
+    ])  # fmt: skip
+    assert rc == 0
+    recs = {r["mode"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(recs) == ["csbp", "specforge"]
+    for mode, r in recs.items():
+        assert r["status"] == "ok" and r["workload"] == "trainer-quickstart_drafter" and r["block_size"] == 4
+        assert r["world_size"] == 1 and r["context_len"] == 256 and r["timed_steps"] == 2
+        # the median of the steps the trainer itself logged: 2-3 (after warm-up, before the profiled step 5,
+        # not step 4, the first of the second epoch)
+        logged = trainer_bench.step_metrics((work / mode / "log.txt").read_text())
+        assert sorted(logged) == [1, 2, 3, 4, 5]
+        want = statistics.median(logged[s]["perf/optimizer_step_time_s"] for s in (2, 3)) * 1e3
+        assert r["step_ms"] == pytest.approx(want, abs=0.01)
+        assert r["epoch_first_step_ms"] == pytest.approx(logged[4]["perf/optimizer_step_time_s"] * 1e3, abs=0.01)
+        assert r["peak_mem_gib"] > 0
+        b = r["breakdown_ms"]
+        assert set(b) == {"data", "forward_backward", "optimizer", "host_syncs", "logging"}
+        assert b["optimizer"] > 0 and b["forward_backward"] > 0
+        assert (tmp_path / "traces" / f"trainer_{mode}_256.trace.json.gz").exists()
+        assert not (work / mode / "output").exists()  # checkpoints deleted even with --keep-data
+    # identical bytes: every imported sample is the record SpecForge trained on
+    from specforge_csbp.data.store import FeatureStore
+
+    store = FeatureStore(str(work / "store"))
+    for i in range(3):
+        raw = torch.load(work / "records" / "rows_0-2000" / f"data_{i:06d}.ckpt", weights_only=True)
+        ids, mask = store.read_tokens(f"{i:08d}")
+        assert torch.equal(ids, raw["input_ids"]) and torch.equal(mask, raw["loss_mask"])
+        assert torch.equal(store.read_intervals(f"{i:08d}", [(0, 256)]), raw["hidden_states"][0])
