@@ -134,10 +134,9 @@ def kernel_options(q_len: int, kv_len: int) -> dict[str, bool] | None:
     Why: the kernels skip bounds checks and the masking of a last partial tile (IS_DIVISIBLE) only when
     inductor can prove both lengths are multiples of 128, i.e. for static shapes. Our call site is compiled
     with automatic dynamic shapes (every plan has its own row counts: a drafter step's sliding layers keep a
-    different number of rows each step), so after the first change of length every kernel ran with the
-    checks: on one H200, a drafter's full layer at 512K took 194 ms (CP) / 200 ms (CSBP) dynamic against
-    159 / 166 ms static, and 163 / 170 ms dynamic with this option (benchmarks/flex_layer_bench.py). The
-    lengths are known at the call (and padded to whole tiles there), so the call states it; dynamo guards
+    different number of rows each step), so after the first change of length every kernel would run with
+    the checks - most of the gap between static and dynamic kernels (benchmarks/flex_layer_bench.py,
+    docs/performance.md). The lengths are known at the call (and padded to whole tiles there), so the call states it; dynamo guards
     on the option, so a call without it gets its own kernel."""
     if q_len % DIVISIBLE_ROWS == 0 and kv_len % DIVISIBLE_ROWS == 0:
         return {"IS_DIVISIBLE": True}

@@ -6,7 +6,7 @@ one sweep for sweep points - and the configuration extras in
 `CONFIG_EXTRAS` that they carry), i.e. they were measured in one run on one machine for one problem and
 differ only in the parallel mode:
 
-    group (drafter, L=512K, P=2, S=16, 2025-11-29, H200)
+    group (drafter, L=512K, P=2, S=16, one date, one device)
         csbp   tokens/s 41,000  ─┐
         cp     tokens/s 20,500  ─┼─► speedup over cp = 2.00
         bp     oom              ─┘   speedup over bp = "bp oom"

@@ -16,9 +16,9 @@ The buffer is rank-major with head-major segments, so every rank's K (and V) is 
 
     concat()    copies [local ++ the other ranks' segments] into one K and one V (the fused schedule) with
                 plain block copies; backward writes the segments' gradients straight into the buffer's
-                layout for the reduce-scatter. A token-major buffer ([world * width, 2, B, Hk, D]) needed
-                permuted copies and autograd's zero-filled full-size gradients for its strided views: 25 ms
-                of a 200 ms full layer at 512K on H200 (benchmarks/flex_layer_bench.py +executor).
+                layout for the reduce-scatter. A token-major buffer ([world * width, 2, B, Hk, D]) would need
+                permuted copies and autograd's zero-filled full-size gradients for its strided views
+                (benchmarks/flex_layer_bench.py +executor times the difference).
     segments()  every rank's (K, V) as views of the buffer (the overlap schedule attends to them in place;
                 regather re-creates exactly those views)
 """

@@ -4,9 +4,9 @@ schedule "fused" (default):
 
     shared K/V rows ──► all-gather ──► seam(q, [local K/V ++ the other ranks' gathered K/V])
 
-    one kernel and no merge, the shape PyTorch's own context parallel uses. Measured on 2 H200 (BDLM layer,
-    64K, docs/performance.md): 309 useful TFLOP/s per GPU against 243-247 for "overlap"; the all-gather it
-    waits for was 2.9 ms of a 399 ms layer step over NVLink.
+    one kernel and no merge, the shape PyTorch's own context parallel uses. Over NVLink the all-gather it
+    waits for is a small part of a layer step, and one kernel over all keys beats P kernels and P - 1
+    merges (docs/performance.md has the measurements).
 
 schedule "overlap":
 
@@ -17,10 +17,7 @@ schedule "overlap":
     each remote call reads one rank's segment of the gathered buffer in place (no concatenation). It is the
     only schedule that can `regather` (free the gathered K/V after forward, gather again in backward): the
     fused call saves the concatenation. schedule=None picks "fused", or "overlap" when regather is asked
-    for. (The 243-247 above were measured when the remote call ran over the whole buffer, own segment
-    included as PAD, in a strided layout. The per-segment form, drafter shape a on 2 H200 side by side with
-    CP: 1M / 512 anchors 1.068x against fused's 1.064-1.073x, 64K / 2048 1.747x against 1.792x;
-    docs/performance.md.)
+    for.
 
 Gather ahead (`begin`): a caller that has the leading K/V rows early (a drafter's context K/V depend on the
 target features only, not on the layer below) starts the gather before it has the queries and hands the

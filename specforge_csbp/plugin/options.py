@@ -71,7 +71,7 @@ class CSBPOptions(BaseModel):
     keep_logits_gib: float = Field(
         default=0.0, ge=0.0,
         description="keep the vocabulary loss's logits for backward when this rank's fit in this many GiB: one "
-        "[rows, vocab] GEMM fewer per chunk (1 H200, 64K: 365.9 vs 392.7 ms); 0 = recompute; unset (or auto): "
+        "[rows, vocab] GEMM fewer per chunk (docs/performance.md); 0 = recompute; unset (or auto): "
         "chosen per rank from the GPU's free memory and the planner's memory model (plugin/keep_logits.py)",
     )  # fmt: skip
     prefetch_features: bool = Field(
@@ -88,9 +88,8 @@ class CSBPOptions(BaseModel):
     )
     gather_ahead: bool = Field(
         default=True,
-        description="start each drafter layer's context K/V all-gather while the layer before runs (CSBP; 2 x "
-        "H200, shape a: 1M / 512 anchors 1.084x CP vs 1.064x gathering in front of each layer); false: gather "
-        "in front of each layer",
+        description="start each drafter layer's context K/V all-gather while the layer before runs (CSBP; the "
+        "gather hides behind a whole layer, docs/performance.md); false: gather in front of each layer",
     )
     regather: bool = Field(
         default=False,

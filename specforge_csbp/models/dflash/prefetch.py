@@ -3,16 +3,16 @@ runs on the GPU.
 
 Every drafter step draws new anchors, so every step has new plans and new block masks. Built inside the
 forward pass, that work (CPU tables, tile counting, the GQA packing decision, host-to-device copies) stops
-the GPU at each of its host syncs: on H200 a CSBP step at 512K spent 62 ms of 927 building masks while
-the GPU idled (benchmarks/results/drafter_h200x2_2026-11-30.jsonl, `prep_ms`). Here a worker thread
+the GPU at each of its host syncs, which idles the GPU for as long as the build takes (the drafter
+benchmark records it as `prep_ms`; docs/performance.md). Here a worker thread
 builds step i+1 on a side CUDA stream while step i runs; its syncs wait for the side stream only.
 
     main thread, main stream:  | step i: forward ....... backward ....... metrics (sync) | step i+1 ...
     worker, side stream:         | build i+1: plans, executors, masks, indices | record ready -^ wait ready
 
 Every integer index the step reads is staged there too, so the step moves none to the device: a copy from
-pageable memory stops the host until the GPU queue drains (a profiled CSBP step at 512K on H200 showed 44
-pageable host-to-device copies, 18.7 ms: benchmarks/logs/drafter_h200x2_2026-11-30_d.log). Two owners, one
+pageable memory stops the host until the GPU queue drains (benchmarks/profile_train.py shows them in a
+trace). Two owners, one
 copy each, pinned and non_blocking (`stage_index`):
   - `ShardedAttention.prepare` stages its plan's gather rows (which local K/V rows are all-gathered);
   - `stage_indices` stages the work item's own: draft rows' positions and token ids, context positions,
