@@ -293,7 +293,8 @@ def plugin_registrations(options: CSBPOptions | None = None):
                 resolve_capture_layers=resolve_capture_layers,
                 minimum_loss_tokens=lambda cfg, draft_config: 2,
                 needs_input_tools=lambda cfg, draft_model: False,
-                default_dataloader_num_workers=0,
+                # one loader thread materialises the next batch while this one trains (data.dataloader_num_workers)
+                default_dataloader_num_workers=1,
             ),
             offline=(offline,),
         )
