@@ -19,15 +19,21 @@ every layout. A sample with fewer valid anchors than the CP size runs in mode `c
 its blocks, each counted 1/P), which is exact too.
 
 Plans and masks are built ahead by one worker thread (a side CUDA stream on GPU; models/dflash/prefetch.py)
-kept across micro-steps: sample j + 1 while sample j runs, and the next micro-step's first sample while
-this micro-step's last one runs, when plugin/lookahead.py announces the next batch and its global step:
+kept across micro-steps: sample j + 1 while sample j runs, and the next micro-step's samples (as one build)
+while this micro-step runs, when plugin/lookahead.py announces the next batch and its global step:
 
-    micro-step i:    [sample 0][sample 1] ... [last] | backward, optimizer   | micro-step i + 1: [sample 0] ...
-    worker:                 build 1   build 2   build i+1's sample 0 --------^ used if (sample, step) match
+    micro-step i:    [sample 0][sample 1] ... [last] | backward, optimizer   | micro-step i + 1: [0][1] ... [last]
+    worker:           build i+1's samples 0..k-1 -----------------------------^ used if (samples, step) match
+                      (k: every sample while their tokens fit AHEAD_TOKENS, at least one; the rest are built
+                      one ahead of the sample that runs, as sample j + 1 while sample j runs)
 
-What runs is never taken on trust: the first sample's (store index, global step) must equal what was built,
-else that build is waited for, dropped, and the sample is built on the forward's own thread (as is every
-first sample nobody announced: no wrapper installed, the first batch of an epoch).
+A batch of short samples is thus built whole while the previous one trains, instead of one sample at a
+time between its samples' forwards; a long sample (k = 1) is built as it always was. The look-ahead holds
+at most max(AHEAD_TOKENS, one sample) tokens of features and masks beyond the micro-step that runs.
+
+What runs is never taken on trust: the first k samples' (store indices, global step) must equal what was
+built, else that build is waited for, dropped, and the first sample is built on the forward's own thread
+(as is every first sample nobody announced: no wrapper installed, the first batch of an epoch).
 
 Every sample runs the shared per-sample step (models/dflash/step.py: `plan_sample`, `sample_terms`), the
 one `drafter_step` and the benchmarks run. Eval forwards (SpecForge's Evaluator; `self.training` False)
@@ -49,13 +55,16 @@ from torch import nn
 from . import groups as csbp_groups
 from . import lookahead
 
-__all__ = ["BACKENDS", "EVAL_ANCHOR_STEP", "CSBPDrafterTrainingModel"]
+__all__ = ["AHEAD_TOKENS", "BACKENDS", "EVAL_ANCHOR_STEP", "CSBPDrafterTrainingModel"]
 
 #: training.attention_backend -> the attention seam's backend
 BACKENDS = {"flex_attention": "flex", "sdpa": "auto", "eager": "dense"}
 #: eval forwards draw their anchors as at this step, whatever the global step: every eval pass scores the
 #: same blocks, so successive evals compare (the loss weights still follow the global step)
 EVAL_ANCHOR_STEP = 0
+#: tokens of the next micro-step's samples its look-ahead builds at most (always at least its first sample):
+#: 16 samples of 4K are built in one go, a 64K sample alone, as before
+AHEAD_TOKENS = 1 << 16
 
 
 class CSBPDrafterTrainingModel(nn.Module):
@@ -93,7 +102,7 @@ class CSBPDrafterTrainingModel(nn.Module):
         self.eval_store_path, self._eval_store = eval_store_path or None, None
         self.tokens_trained = 0  # tokens of the samples this rank's CP group trained (host count)
         self._inflight: list = []  # this micro-step's prepared masks (kept until the next one starts)
-        # one prefetch worker across micro-steps: job number -> (store index, global step, groups)
+        # one prefetch worker across micro-steps: job number -> (store indices, global step, groups)
         self._prefetch = None
         self._jobs: dict[int, tuple] = {}
         self._outstanding: int | None = None  # the newest submitted job nobody has taken yet
@@ -169,16 +178,17 @@ class CSBPDrafterTrainingModel(nn.Module):
         )  # fmt: skip
         return [(sample, plan, blocks)]
 
-    def _sample(self, prepared, step: int):
-        """One prepared sample through the shared per-sample step (`models/dflash/step.sample_terms`)."""
+    def _sample(self, prepared, step: int, item: int = 0):
+        """Work item `item` of a prepared build through the shared per-sample step
+        (`models/dflash/step.sample_terms`)."""
         from ..models.dflash import step as dflash_step
 
         prepared.wait()  # masks and staged indices (prefetch.py build_work): the step copies no index
-        (sample, plan, blocks) = prepared.work[0]
+        (sample, plan, blocks) = prepared.work[item]
         return dflash_step.sample_terms(
             self.draft_model, sample, plan, blocks, objective=self.objective, head_weight=self.lm_head.weight,
-            embed_weight=self.embed_tokens.weight, step=step, attention=prepared.attention[0],
-            staged=prepared.indices[0], features=prepared.features[0] if prepared.features else None,
+            embed_weight=self.embed_tokens.weight, step=step, attention=prepared.attention[item],
+            staged=prepared.indices[item], features=prepared.features[item] if prepared.features else None,
         )  # fmt: skip
 
     # -- one micro-step ---------------------------------------------------------------------------------
@@ -200,7 +210,21 @@ class CSBPDrafterTrainingModel(nn.Module):
     def _prepare_job(self, job: int) -> list:
         """Prefetch job `job`'s work list (worker thread); a job never registered builds nothing."""
         registered = self._jobs.get(job)
-        return [] if registered is None else self._prepare(*registered)
+        if registered is None:
+            return []
+        indices, step, groups = registered
+        return [item for index in indices for item in self._prepare(index, step, groups)]
+
+    def _ahead(self, indices: list[int]) -> tuple[int, ...]:
+        """The next micro-step's samples its look-ahead builds: the first, then more while their tokens
+        (manifest lengths capped at max_len) stay within AHEAD_TOKENS."""
+        out, tokens = [], 0
+        for index in indices:
+            tokens += min(self.store.manifest.samples[index].length, self.max_len)
+            if out and tokens > AHEAD_TOKENS:
+                break
+            out.append(index)
+        return tuple(out)
 
     def _build_here(self, index: int, step: int, groups, options, heads_per_kv: int):
         """Sample `index` built on this thread and the current stream: nothing built it ahead."""
@@ -218,12 +242,14 @@ class CSBPDrafterTrainingModel(nn.Module):
             self._outstanding = job + 1  # the newest submitted build nobody has taken yet
 
     def forward(self, sample_index: torch.Tensor | list[int], global_step: int = 0):
-        """One micro-step; its first sample was built during the previous micro-step when the look-ahead
-        announced it (plugin/lookahead.py), later samples while the one before runs.
+        """One micro-step; its first k samples were built during the previous micro-step when the look-ahead
+        announced them (plugin/lookahead.py), later samples while the one before runs.
 
-            jobs (one worker, numbered):   micro-step i: first .. first+n-1    look-ahead: first+n
-            micro-step i + 1 starts:       (sample, step) == the look-ahead's?  yes: take it (built)
-                                                                                no: discard it, build here
+            jobs (one worker, numbered):   micro-step i: first (samples 0..k-1), first+1 .. first+n-k (one
+                                           sample each)                        look-ahead: first+n-k+1
+            micro-step i + 1 starts:       (samples, step) == the look-ahead's?  yes: take it (built)
+                                                                                 no: discard it, build here
+            (a miss, or nothing announced: k = 1, sample 0 built on this thread)
         """
         if not self.training:
             return self._eval_forward(sample_index, int(global_step))
@@ -240,13 +266,15 @@ class CSBPDrafterTrainingModel(nn.Module):
         prefetcher = self._prefetcher_for(options, heads_per_kv)
         n, outstanding = len(indices), self._outstanding
         built = None if outstanding is None else self._jobs.get(outstanding)
-        hit = built is not None and built[:2] == (indices[0], step)
+        k = 0 if built is None else len(built[0])  # samples the look-ahead built
+        hit = built is not None and built[0] == tuple(indices[:k]) and built[1] == step
+        k = k if hit else 1  # a miss builds sample 0 here
         # a miss leaves outstanding + 1 unregistered: taking the stale job starts it, and it builds nothing
         first = outstanding if hit else (-1 if outstanding is None else outstanding) + 2
-        for j in range(1, n):
-            self._jobs[first + j] = (indices[j], step, groups)
-        if next_indices is not None:  # the next micro-step's first sample, built while this one's last runs
-            self._jobs[first + n] = (next_indices[0], announced[1], groups)
+        for j in range(k, n):  # one job per sample the look-ahead did not build
+            self._jobs[first + j - k + 1] = ((indices[j],), step, groups)
+        if next_indices is not None:  # the next micro-step's first samples, built while this one runs
+            self._jobs[first + n - k + 1] = (self._ahead(next_indices), announced[1], groups)
         if hit:
             prepared = self._take(prefetcher, first)
             self.prefetch_stats["ahead_used"] += 1
@@ -270,10 +298,12 @@ class CSBPDrafterTrainingModel(nn.Module):
             del self._jobs[job]
         outs = []
         for j in range(n):
-            if j > 0:  # built in the worker while sample j - 1 ran; job first + j + 1 starts now
-                prepared = self._take(prefetcher, first + j)
-            self._inflight.append(prepared)
-            outs.append(self._sample(prepared, step))
+            item = j
+            if j >= k:  # built in the worker while sample j - 1 ran; the job after it starts now
+                prepared, item = self._take(prefetcher, first + j - k + 1), 0
+            if item == 0:
+                self._inflight.append(prepared)
+            outs.append(self._sample(prepared, step, item))
         numerator, denominator, totals = self._sum(outs)
         self.last_stats = totals
         return numerator, denominator, totals
