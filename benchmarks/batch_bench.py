@@ -24,7 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import trainer_bench  # noqa: E402
+import trainer_bench
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -32,9 +32,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft-config", required=True, help="drafter config.json (drafter_configs/)")
     p.add_argument("--no-dflash2", action="store_true", help="train the config as DFlash v1")
     p.add_argument("--context", default="64K", help="tokens of the long sample (= tokens per optimizer step)")
-    p.add_argument("--batch-size", type=int, default=16, help="short samples per step (each context / B tokens)")
+    p.add_argument(
+        "--batch-size", type=int, default=16, help="short samples per step (each context / B tokens)"
+    )
     p.add_argument("--anchors", type=int, default=2048, help="anchors of the long sample (a short one: / B)")
-    p.add_argument("--batches", type=int, default=4, help="optimizer steps per epoch (long: this many samples)")
+    p.add_argument(
+        "--batches", type=int, default=4, help="optimizer steps per epoch (long: this many samples)"
+    )
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--profile-steps", type=int, default=2)
@@ -50,7 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.batch_size < 2:
         p.error(f"--batch-size must be >= 2 (the short batch); got {args.batch_size}")
     if length % args.batch_size or args.anchors % args.batch_size:
-        p.error(f"--context {length} and --anchors {args.anchors} must both divide by --batch-size {args.batch_size}")
+        p.error(
+            f"--context {length} and --anchors {args.anchors} must both divide by --batch-size {args.batch_size}"
+        )
     return args
 
 
@@ -96,7 +102,10 @@ def main(argv=None) -> int:
         new = [json.loads(line) for line in f if line.strip()][before:]
     by_batch = {r.get("batch_size", 1): r for r in new}
     result = compare(by_batch.get(1, {}), by_batch.get(args.batch_size, {}), args.batch_size)
-    print(f"batch_bench {args.context} 1 x {args.context} vs {args.batch_size} x short: {json.dumps(result)}", flush=True)
+    print(
+        f"batch_bench {args.context} 1 x {args.context} vs {args.batch_size} x short: {json.dumps(result)}",
+        flush=True,
+    )
     return 1 if any(rcs) else 0
 
 

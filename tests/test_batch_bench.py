@@ -12,7 +12,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-import batch_bench  # noqa: E402
+import batch_bench
 
 DRAFTER = os.path.join(ROOT, "examples", "quickstart_drafter.json")
 
@@ -21,8 +21,14 @@ def test_two_runs_have_the_same_tokens_and_anchors_per_token(tmp_path):
     args = batch_bench.parse_args(["--draft-config", DRAFTER, "--context", "4K", "--batch-size", "16",
                                    "--anchors", "2048", "--batches", "3", "--work", str(tmp_path), "--out", "o"])  # fmt: skip
     runs = {k: trainer_bench_args(v) for k, v in batch_bench.runs(args).items()}
-    assert runs["long"]["context"] == "4096" and runs["long"]["batch_size"] == 1 and runs["long"]["samples"] == 3
-    assert runs["short"]["context"] == "256" and runs["short"]["batch_size"] == 16 and runs["short"]["samples"] == 48
+    assert (
+        runs["long"]["context"] == "4096" and runs["long"]["batch_size"] == 1 and runs["long"]["samples"] == 3
+    )
+    assert (
+        runs["short"]["context"] == "256"
+        and runs["short"]["batch_size"] == 16
+        and runs["short"]["samples"] == 48
+    )
     assert runs["long"]["anchors"] == 2048 and runs["short"]["anchors"] == 128
     with pytest.raises(SystemExit):  # 4096 tokens do not split into 3 samples
         batch_bench.parse_args(["--draft-config", DRAFTER, "--context", "4K", "--batch-size", "3", "--work", "w",
@@ -48,15 +54,22 @@ def test_short_batch_against_long_sample_through_the_trainer(tmp_path, capsys):
     recs = {r["batch_size"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert sorted(recs) == [1, 4]
     long, short = recs[1], recs[4]
-    assert long["workload"] == "trainer-quickstart_drafter" and short["workload"] == "trainer-quickstart_drafter-batch4"
-    assert long["context_len"] == 512 and short["context_len"] == 128 and long["mode"] == short["mode"] == "csbp"
+    assert (
+        long["workload"] == "trainer-quickstart_drafter"
+        and short["workload"] == "trainer-quickstart_drafter-batch4"
+    )
+    assert (
+        long["context_len"] == 512 and short["context_len"] == 128 and long["mode"] == short["mode"] == "csbp"
+    )
     assert long["anchors"] == 16 and short["anchors"] == 4
     # same supervised tokens per step: tokens_per_s differ only by the step time
-    assert long["tokens_per_s"] * long["step_ms"] == pytest.approx(short["tokens_per_s"] * short["step_ms"], rel=1e-3)
+    assert long["tokens_per_s"] * long["step_ms"] == pytest.approx(
+        short["tokens_per_s"] * short["step_ms"], rel=1e-3
+    )
     for r in recs.values():
         assert r["status"] == "ok" and r["step_ms"] > 0 and r["timed_steps"] == 1
     # each run trained its own batches: B samples per step in the short run's log
-    logged = open(tmp_path / "w" / "short" / "csbp" / "log.txt").read()
+    logged = (tmp_path / "w" / "short" / "csbp" / "log.txt").read_text()
     assert "'tokens_per_micro_step': 512.0" in logged
     printed = capsys.readouterr().out
     line = next(ln for ln in printed.splitlines() if ln.startswith("batch_bench "))

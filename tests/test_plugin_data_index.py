@@ -55,7 +55,15 @@ def test_index_file_holds_one_mask_and_refuses_other_keys(store):
 
     reader = StoreIndexReader(STRATEGY, store, run_id="r", ttt_length=7, max_len=100)
     raw = load_feature_file(reader.read()[0].feature_store_uri[len("file://") :])  # SpecForge's own load
-    assert isinstance(raw, StoreIndexKeys) and raw.trained.tolist() == [True, True, False, True, True, True, True]
+    assert isinstance(raw, StoreIndexKeys) and raw.trained.tolist() == [
+        True,
+        True,
+        False,
+        True,
+        True,
+        True,
+        True,
+    ]
     assert torch.equal(raw[StoreIndexReader.key(6)], torch.tensor([6]))
     for key in (StoreIndexReader.key(2), StoreIndexReader.key(7), "s-1", "hidden_states", 3):
         assert key not in raw

@@ -210,7 +210,8 @@ def _worker(rank, world, out_dir):
 
     from specforge_csbp.plugin import training_model
 
-    budget, training_model.AHEAD_TOKENS = training_model.AHEAD_TOKENS, 1  # a look-ahead of the first sample only
+    budget = training_model.AHEAD_TOKENS
+    training_model.AHEAD_TOKENS = 1  # a look-ahead of the first sample only
     try:
         partial, partial_backend = _run("partial", root, out_dir, rank, masks, look_ahead=True)
     finally:

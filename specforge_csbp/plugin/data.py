@@ -124,7 +124,7 @@ class StoreIndexReader:
 
         target = self.store.manifest.target.name
         refs = []
-        for index in (self.indices[:limit] if limit is not None else self.indices):
+        for index in self.indices[:limit] if limit is not None else self.indices:
             entry = self.store.manifest.samples[index]
             ref = SampleRef(
                 sample_id=f"{self.run_id}:{index:08d}", run_id=self.run_id, source_task_id=None,
