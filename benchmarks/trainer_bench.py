@@ -79,7 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="train the config as DFlash v1 (no conv, no selector): stock SpecForge 0.2.0 trains v1 only")  # fmt: skip
     p.add_argument("--context", default="64K", help="tokens per sample (64K, 128K, ...)")
     p.add_argument("--samples", type=int, default=4, help="samples in the data (epochs repeat them)")
-    p.add_argument("--steps", type=int, default=12, help="optimizer steps per trainer (one sample each)")
+    p.add_argument("--steps", type=int, default=12, help="optimizer steps per trainer (--batch-size samples each)")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="samples per optimizer step (training.batch_size; --samples must hold at least one batch)")  # fmt: skip
     p.add_argument("--warmup", type=int, default=4, help="steps left out of the median (compiles, first shapes)")
     p.add_argument("--profile-steps", type=int, default=2, help="last steps of each run profiled (0: none)")
     p.add_argument("--anchors", type=int, default=512)
@@ -98,9 +100,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         bad = sorted(set(args.modes.split(",")) - set(MODES))
         if bad:
             p.error(f"--modes: unknown {', '.join(bad)}; allowed: {', '.join(MODES)}")
-        for name in ("samples", "steps", "anchors"):
+        for name in ("samples", "steps", "anchors", "batch_size"):
             if getattr(args, name) < 1:
-                p.error(f"--{name} must be >= 1; got {getattr(args, name)}")
+                p.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+        if args.samples < args.batch_size:
+            p.error(f"--samples {args.samples} holds no batch of --batch-size {args.batch_size}")
         if args.warmup < 0 or args.profile_steps < 0:
             p.error("--warmup and --profile-steps must be >= 0")
         if args.steps - args.warmup - args.profile_steps < 1:
@@ -203,8 +207,8 @@ def feature_dtype(device):
 def run_config(args, mode: str, work: str, draft: str, data: str, length: int, on_gpu: bool) -> dict:
     steps = args.steps
     training = {
-        "strategy": "dflash", "fsdp_sharding": "NO_SHARD", "batch_size": 1, "accumulation_steps": 1,
-        "num_epochs": math.ceil(steps / args.samples), "max_steps": steps, "num_anchors": args.anchors,
+        "strategy": "dflash", "fsdp_sharding": "NO_SHARD", "batch_size": args.batch_size, "accumulation_steps": 1,
+        "num_epochs": math.ceil(steps / batches_per_epoch(args)), "max_steps": steps, "num_anchors": args.anchors,
         "learning_rate": 1e-4, "warmup_ratio": 0.0, "log_interval": 1, "seed": args.seed,
         "attention_backend": "flex_attention" if on_gpu else "sdpa",
     }  # fmt: skip
@@ -264,17 +268,22 @@ def step_metrics(log: str) -> dict[int, dict[str, float]]:
     return out
 
 
+def batches_per_epoch(args) -> int:
+    """Optimizer steps per epoch (SpecForge drops the last incomplete batch)."""
+    return args.samples // args.batch_size
+
+
 def timed_steps(args) -> list[int]:
     """Steps in the median (1-based, as SpecForge counts): after the warm-up, before the profiled ones, and
     not the first of an epoch (a new epoch restarts the data loader, and the plugin's look-ahead starts
     with the epoch's second batch: plugin/lookahead.py) unless every step is one."""
     steps = list(range(args.warmup + 1, args.steps - args.profile_steps + 1))
-    inner = [s for s in steps if (s - 1) % args.samples]
+    inner = [s for s in steps if (s - 1) % batches_per_epoch(args)]
     return inner or steps
 
 
 def epoch_first_steps(args) -> list[int]:
-    return [s for s in range(args.warmup + 1, args.steps - args.profile_steps + 1) if not (s - 1) % args.samples]
+    return [s for s in range(args.warmup + 1, args.steps - args.profile_steps + 1) if not (s - 1) % batches_per_epoch(args)]
 
 
 def _metric(m: dict, name: str) -> float | None:
@@ -328,10 +337,11 @@ def make_record(args, mode, length, block_size, log, peak, rc, device_name, name
     step_s = [x for x in step_s if x is not None]
     firsts = [_metric(metrics[s], "perf/optimizer_step_time_s") for s in epoch_first_steps(args) if s in metrics]
     record = dict(
-        workload=f"trainer-{name}", mode=mode, world_size=1, context_len=length, block_size=block_size,
+        workload=f"trainer-{name}" + (f"-batch{args.batch_size}" if args.batch_size > 1 else ""), mode=mode, world_size=1, context_len=length, block_size=block_size,
         device=device_name, date=datetime.date.today().isoformat(), code=library_digest(),
         command=shlex.join(["python", os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
         anchors=args.anchors, dflash2=not args.no_dflash2, samples=args.samples, steps=args.steps,
+        batch_size=args.batch_size,
         warmup=args.warmup, timed_steps=len(step_s),
         epoch_first_step_ms=round(statistics.median(firsts) * 1e3, 2) if firsts and firsts != step_s else None,
         steps_ms=[round(float(_metric(metrics[s], "perf/optimizer_step_time_s") or 0) * 1e3, 2) for s in sorted(metrics)],
@@ -350,7 +360,8 @@ def make_record(args, mode, length, block_size, log, peak, rc, device_name, name
     data_ms, compute_ms = med("perf/data_wait_time_s") * 1e3, med("perf/train_compute_time_s") * 1e3
     ack_ms = med("perf/durable_ack_time_s") * 1e3
     record.update(
-        step_ms=round(step_ms, 2), tokens_per_s=round(args.anchors * (block_size - 1) / (step_ms / 1e3), 1),
+        step_ms=round(step_ms, 2),
+        tokens_per_s=round(args.batch_size * args.anchors * (block_size - 1) / (step_ms / 1e3), 1),
         data_wait_ms=round(data_ms, 2), train_compute_ms=round(compute_ms, 2),
         peak_mem_gib=round(peak.get("peak_allocated_gib", peak.get("peak_rss_gib", 0.0)), 3) or None,
         peak_mem_kind="cuda max_memory_allocated" if "peak_allocated_gib" in peak else "host peak RSS",

@@ -6,7 +6,10 @@ entry of a tiny index file (written once per process into a temporary directory)
 `sample_index` tensors, and the training model reads the rank's rows from the store itself.
 
     data.hidden_states_path = <feature store>        manifest.json + samples/*.safetensors
-        StoreIndexReader.read()  -> SampleRef(file://<tmp>/index-00000.pt, key "s000000012")   x N
+        StoreIndexReader.read()  -> SampleRef(file://<tmp>/index.pt, key "s000000012")   x N
+        index.pt holds one `StoreIndexKeys` (a mask over the store's samples): SpecForge torch.loads the
+        file once per sample, so its load costs the same whatever the store's size, and a key's
+        tensor([12]) is made when SpecForge looks it up
         SpecForge shards the refs over all ranks (DistributedSampler order), loads, collates:
         TrainBatch.tensors["sample_index"] = [12, 40, ...]    (batch_size per rank)
         training_model.py gathers a CP group's indices and trains every gathered sample, sharded.
@@ -29,6 +32,7 @@ __all__ = [
     "FEATURE",
     "NORMALIZER_ID",
     "STORAGE_FORMAT",
+    "StoreIndexKeys",
     "StoreIndexReader",
     "build_collator",
     "build_normalizer",
@@ -39,7 +43,7 @@ __all__ = [
 FEATURE = "sample_index"
 NORMALIZER_ID = "csbp_sample_index_v1"
 STORAGE_FORMAT = "specforge_csbp_feature_store_v1"
-_CHUNK = 4096  # index entries per index file (one torch.load per sample reads one small file)
+INDEX_FILE = "index.pt"
 
 
 def check_store_path(path: str, field: str = "data.hidden_states_path") -> None:
@@ -64,6 +68,31 @@ def check_store_path(path: str, field: str = "data.hidden_states_path") -> None:
     raise ValueError(f"{field}={path} is not a feature store (no {MANIFEST_NAME}); {hint}")
 
 
+class StoreIndexKeys:
+    """The object an index file holds: key `StoreIndexReader.key(i)` -> tensor([i]) for every trained store
+    index i, made on lookup. SpecForge loads a ref's file once per sample (`torch.load`, then
+    `raw[key]`); a dict of one tensor per sample would unpickle every sample's tensor at each load (about
+    20 ms per sample at 512 samples, the data wait of a batch of short samples), this unpickles one mask."""
+
+    def __init__(self, trained: torch.Tensor) -> None:
+        self.trained = trained  # [store samples] bool: which store indices the run trains
+
+    def _index(self, key: object) -> int | None:
+        if not (isinstance(key, str) and key.startswith("s") and key[1:].isdigit()):
+            return None
+        index = int(key[1:])
+        return index if index < self.trained.numel() and bool(self.trained[index]) else None
+
+    def __contains__(self, key: object) -> bool:
+        return self._index(key) is not None
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        index = self._index(key)
+        if index is None:
+            raise KeyError(key)
+        return torch.tensor([index], dtype=torch.long)
+
+
 class StoreIndexReader:
     """`OfflineDataProvider.build_reader` product: one metadata-only SampleRef per store sample."""
 
@@ -81,12 +110,10 @@ class StoreIndexReader:
             )
         self._dir = tempfile.mkdtemp(prefix="specforge-csbp-index-")
         atexit.register(shutil.rmtree, self._dir, True)
-        self._files = []
-        for start in range(0, len(self.indices), _CHUNK):
-            chunk = self.indices[start : start + _CHUNK]
-            path = os.path.join(self._dir, f"index-{start // _CHUNK:05d}.pt")
-            torch.save({self.key(i): torch.tensor([i], dtype=torch.long) for i in chunk}, path)
-            self._files.append(path)
+        trained = torch.zeros(len(self.store.manifest.samples), dtype=torch.bool)
+        trained[self.indices] = True
+        self._file = os.path.join(self._dir, INDEX_FILE)
+        torch.save(StoreIndexKeys(trained), self._file)
 
     @staticmethod
     def key(index: int) -> str:
@@ -97,11 +124,11 @@ class StoreIndexReader:
 
         target = self.store.manifest.target.name
         refs = []
-        for n, index in enumerate(self.indices[:limit] if limit is not None else self.indices):
+        for index in self.indices[:limit] if limit is not None else self.indices:
             entry = self.store.manifest.samples[index]
             ref = SampleRef(
                 sample_id=f"{self.run_id}:{index:08d}", run_id=self.run_id, source_task_id=None,
-                feature_store_uri=f"file://{self._files[n // _CHUNK]}", feature_keys={FEATURE: self.key(index)},
+                feature_store_uri=f"file://{self._file}", feature_keys={FEATURE: self.key(index)},
                 feature_specs={}, strategy=self.strategy, schema_version=SCHEMA_VERSION,
                 target_model_version=target, num_tokens=min(entry.length, self.max_len),
                 metadata={"format": STORAGE_FORMAT, "target_repr": None, "store_sample_id": entry.id},

@@ -3,8 +3,8 @@ planner's memory model of the run's drafter step.
 
     free memory of this rank's GPU (torch.cuda.mem_get_info, before the model is built)
   - predicted peak of one drafter step with the logits recomputed (planner/memory.py drafter_step_memory
-    for this run's drafter, max_length, anchors, block size, CP size and mode; + one prefetched sample's
-    context features when csbp.prefetch_features)
+    for this run's drafter, max_length, anchors, block size, CP size and mode; + the prefetched samples'
+    context features when csbp.prefetch_features: one, or as many of a batch as fit AHEAD_TOKENS)
   - headroom (HEADROOM_GIB + HEADROOM_SHARE of the prediction: the model's measured error is within 12%,
     the allocator's fragmentation on top)
   = budget  -> keep_logits_gib = budget when this rank's [rows, vocab] logits fit in it, else 0 (recompute)
@@ -78,6 +78,11 @@ def predicted_step(cfg, options, cp_size: int, mode: str) -> tuple[float, float]
     chunk_blocks = int(cfg.training.objective_chunk_blocks)
     windows = sorted(set(shape.windows), key=lambda w: (w is not None, w or 0))
     per_window = {w: drafter_rank_stats(mode, context, anchors, block, cp_size, w) for w in windows}
+    # samples the look-ahead builds at once: the CP group's micro-step, while their tokens fit AHEAD_TOKENS
+    from .training_model import AHEAD_TOKENS
+
+    group_batch = int(getattr(cfg.training, "batch_size", 1) or 1) * cp_size
+    ahead = max(1, min(group_batch, AHEAD_TOKENS // max(context, 1)))
     step, logits = 0.0, 0.0
     for r in range(len(per_window[windows[0]])):
         stats = {w: per_window[w][r] for w in windows}
@@ -85,9 +90,9 @@ def predicted_step(cfg, options, cp_size: int, mode: str) -> tuple[float, float]
         chunk = chunk_blocks * block if chunk_blocks > 0 else max(rows, 1)
         mem = drafter_step_memory(shape, stats, elem_bytes=e, state_bytes=16.0, ce_chunk=chunk, reserved_gib=0.0)
         total = mem.total
-        if options.prefetch_features:  # the next sample's context features, read ahead (plugin/data.py)
+        if options.prefetch_features:  # the next samples' context features, read ahead (plugin/data.py)
             ctx = max(s.context_rows for s in stats.values())
-            total += ctx * shape.features * shape.target_hidden * e / GiB
+            total += ahead * ctx * shape.features * shape.target_hidden * e / GiB
         step = max(step, total)
         logits = max(logits, rows * shape.vocab * e / GiB)
     return step, logits

@@ -1,12 +1,12 @@
 """One batch of look-ahead over SpecForge's training data stream: the training model learns the next
-micro-step's sample indices and global step while this micro-step runs, and builds its first sample early.
+micro-step's sample indices and global step while this micro-step runs, and builds its first samples early.
 
     launcher: run = build_application_run(...); install(run); run.run()
     TrainerController.fit(data)            data = LookAheadLoader(SpecForge's FeatureDataLoader)
       batch k = next(it)                   the wrapper has fetched batch k + 1 already (same batches, same order)
       train_step(batch k, global_step g)
         forward                            current().next_batch(g) -> (batch k + 1's sample_index, its step)
-                                           training_model.py builds k + 1's first sample in the prefetch worker
+                                           training_model.py builds k + 1's first samples in the prefetch worker
       (optimizer step when the accumulation window closes: the next micro-step runs at g + 1)
 
 The next step number comes from SpecForge's TrainerCore (`accumulation_remainder`, `accumulation_steps`):

@@ -290,7 +290,10 @@ def plugin_registrations(options: CSBPOptions | None = None):
                 resolve_capture_layers=resolve_capture_layers,
                 minimum_loss_tokens=lambda cfg, draft_config: 2,
                 needs_input_tools=lambda cfg, draft_model: False,
-                default_dataloader_num_workers=0,
+                # loader threads keep two batches materialised ahead: the look-ahead (plugin/lookahead.py)
+                # takes batch k + 1 when k is due, so one thread would fetch it right then, on the clock
+                # (data.dataloader_num_workers overrides)
+                default_dataloader_num_workers=2,
             ),
             offline=(offline,),
         )

@@ -19,22 +19,28 @@ every layout. A sample with fewer valid anchors than the CP size runs in mode `c
 its blocks, each counted 1/P), which is exact too.
 
 Plans and masks are built ahead by one worker thread (a side CUDA stream on GPU; models/dflash/prefetch.py)
-kept across micro-steps: sample j + 1 while sample j runs, and the next micro-step's first sample while
-this micro-step's last one runs, when plugin/lookahead.py announces the next batch and its global step:
+kept across micro-steps: sample j + 1 while sample j runs, and the next micro-step's samples (as one build)
+while this micro-step runs, when plugin/lookahead.py announces the next batch and its global step:
 
-    micro-step i:    [sample 0][sample 1] ... [last] | backward, optimizer   | micro-step i + 1: [sample 0] ...
-    worker:                 build 1   build 2   build i+1's sample 0 --------^ used if (sample, step) match
+    micro-step i:    [sample 0][sample 1] ... [last] | backward, optimizer   | micro-step i + 1: [0][1] ... [last]
+    worker:           build i+1's samples 0..k-1 -----------------------------^ used if (samples, step) match
+                      (k: every sample while their tokens fit AHEAD_TOKENS, at least one; the rest are built
+                      one ahead of the sample that runs, as sample j + 1 while sample j runs)
 
-What runs is never taken on trust: the first sample's (store index, global step) must equal what was built,
-else that build is waited for, dropped, and the sample is built on the forward's own thread (as is every
-first sample nobody announced: no wrapper installed, the first batch of an epoch).
+A batch of short samples is thus built whole while the previous one trains, instead of one sample at a
+time between its samples' forwards; a long sample (k = 1) is built as it always was. The look-ahead holds
+at most max(AHEAD_TOKENS, one sample) tokens of features and masks beyond the micro-step that runs.
+
+What runs is never taken on trust: the first k samples' (store indices, global step) must equal what was
+built, else that build is waited for, dropped, and the first sample is built on the forward's own thread
+(as is every first sample nobody announced: no wrapper installed, the first batch of an epoch).
 
 Every sample runs the shared per-sample step (models/dflash/step.py: `plan_sample`, `sample_terms`), the
 one `drafter_step` and the benchmarks run. Eval forwards (SpecForge's Evaluator; `self.training` False)
 read the eval store (`eval_store_path`, data.eval_hidden_states_path), build each sample on their own thread
 and leave the worker, its jobs and the look-ahead's build untouched, so an eval pass between two micro-steps
-changes nothing the next micro-step uses. The jobs' numbering and when a micro-step's prepared masks may be
-freed are plugin/prefetch_jobs.py's (`PrefetchJobs`, which enforces the lifetime rules).
+changes nothing the next micro-step uses. The jobs' numbering and when a micro-step's
+prepared masks may be freed are plugin/prefetch_jobs.py's (`PrefetchJobs`, which enforces the lifetime rules).
 """
 
 from __future__ import annotations
@@ -52,10 +58,13 @@ from . import groups as csbp_groups
 from . import lookahead
 from .prefetch_jobs import PrefetchJobs
 
-__all__ = ["EVAL_ANCHOR_STEP", "CSBPDrafterTrainingModel"]
+__all__ = ["AHEAD_TOKENS", "EVAL_ANCHOR_STEP", "CSBPDrafterTrainingModel"]
 #: eval forwards draw their anchors as at this step, whatever the global step: every eval pass scores the
 #: same blocks, so successive evals compare (the loss weights still follow the global step)
 EVAL_ANCHOR_STEP = 0
+#: tokens of the next micro-step's samples its look-ahead builds at most (always at least its first sample):
+#: 16 samples of 4K are built in one go, a 64K sample alone
+AHEAD_TOKENS = 1 << 16
 
 
 class CSBPDrafterTrainingModel(nn.Module):
@@ -154,14 +163,15 @@ class CSBPDrafterTrainingModel(nn.Module):
         )  # fmt: skip
         return [(sample, plan, blocks)]
 
-    def _sample(self, prepared, step: int):
-        """One prepared sample through the shared per-sample step (`models/dflash/step.sample_terms`)."""
+    def _sample(self, prepared, step: int, item: int = 0):
+        """Work item `item` of a prepared build through the shared per-sample step
+        (`models/dflash/step.sample_terms`)."""
         prepared.wait()  # masks and staged indices (prefetch.py build_work): the step copies no index
-        (sample, plan, blocks) = prepared.work[0]
+        (sample, plan, blocks) = prepared.work[item]
         return sample_terms(
             self.draft_model, sample, plan, blocks, objective=self.objective, head_weight=self.lm_head.weight,
-            embed_weight=self.embed_tokens.weight, step=step, attention=prepared.attention[0],
-            staged=prepared.indices[0], features=prepared.features[0] if prepared.features else None,
+            embed_weight=self.embed_tokens.weight, step=step, attention=prepared.attention[item],
+            staged=prepared.indices[item], features=prepared.features[item] if prepared.features else None,
         )  # fmt: skip
 
     # -- one micro-step ---------------------------------------------------------------------------------
@@ -181,21 +191,35 @@ class CSBPDrafterTrainingModel(nn.Module):
     def _prepare_job(self, job: int) -> list:
         """Prefetch job `job`'s work list (worker thread); a job never registered builds nothing."""
         registered = self._jobs.job(job)
-        return [] if registered is None else self._prepare(*registered)
+        if registered is None:
+            return []
+        indices, step, groups = registered
+        return [item for index in indices for item in self._prepare(index, step, groups)]
+
+    def _ahead(self, indices: list[int]) -> tuple[int, ...]:
+        """The next micro-step's samples its look-ahead builds: the first, then more while their tokens
+        (manifest lengths capped at max_len) stay within AHEAD_TOKENS."""
+        out, tokens = [], 0
+        for index in indices:
+            tokens += min(self.store.manifest.samples[index].length, self.max_len)
+            if out and tokens > AHEAD_TOKENS:
+                break
+            out.append(index)
+        return tuple(out)
 
     def _build_here(self, key: tuple, heads_per_kv: int, *, store=None) -> PreparedStep:
-        """Sample `key` = (store index, step, groups) built on this thread and the current stream."""
-        index, step, groups = key
-        work = self._prepare(index, step, groups, store=store)
+        """Samples `key` = (store indices, step, groups) built on this thread and the current stream."""
+        indices, step, groups = key
+        work = [item for index in indices for item in self._prepare(index, step, groups, store=store)]
         attention, indices, _ = build_work(
             work, self.attention, self.lm_head.weight.device, heads_per_kv, group=groups.cp_group
         )
         return PreparedStep(work, self.attention, attention, indices=indices, group=groups.cp_group)
 
     def forward(self, sample_index: torch.Tensor | list[int], global_step: int = 0):
-        """One micro-step: the CP group's samples, each built ahead by the worker where it could be
-        (plugin/prefetch_jobs.py: the look-ahead built the first during the previous micro-step when
-        plugin/lookahead.py announced it, later ones are built while the one before runs)."""
+        """One micro-step: the CP group's samples, built ahead by the worker where they could be
+        (plugin/prefetch_jobs.py: the look-ahead built the first ones, up to AHEAD_TOKENS, during the previous
+        micro-step when plugin/lookahead.py announced them; later ones are built while the one before runs)."""
         if not self.training:
             return self._eval_forward(sample_index, int(global_step))
         groups, step = csbp_groups.current(), int(global_step)
@@ -208,10 +232,11 @@ class CSBPDrafterTrainingModel(nn.Module):
         self.tokens_trained += self._tokens(self.store, indices)
         heads_per_kv = self._heads_per_kv()
         prefetcher = self._prefetcher_for(groups, heads_per_kv)
-        keys = [(index, step, groups) for index in indices]
-        look_ahead = None if next_indices is None else (next_indices[0], announced[1], groups)
-        built = self._jobs.micro_step(prefetcher, keys, look_ahead, lambda key: self._build_here(key, heads_per_kv))
-        return self._sum([self._sample(prepared, step) for prepared in built])
+        look_ahead = None if next_indices is None else (self._ahead(next_indices), announced[1], groups)
+        built = self._jobs.micro_step(
+            prefetcher, indices, (step, groups), look_ahead, lambda key: self._build_here(key, heads_per_kv)
+        )
+        return self._sum([self._sample(prepared, step, item) for prepared, item in built])
 
     def _eval_forward(self, sample_index: torch.Tensor, step: int):
         """One eval micro-step over the eval store: the same per-sample step, built on this thread; the
@@ -221,7 +246,7 @@ class CSBPDrafterTrainingModel(nn.Module):
         indices, _ = self._gather_indices(sample_index, groups)
         heads_per_kv = self._heads_per_kv()
         built = (
-            self._build_here((index, EVAL_ANCHOR_STEP, groups), heads_per_kv, store=self.eval_store)
+            self._build_here(((index,), EVAL_ANCHOR_STEP, groups), heads_per_kv, store=self.eval_store)
             for index in indices
         )
         return self._sum([self._sample(prepared, step) for prepared in built])

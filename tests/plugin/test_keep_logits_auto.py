@@ -106,3 +106,19 @@ def test_no_gpu_recomputes(tmp_path, monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert prepare_run(_write(tmp_path), [], csbp=True, cp_size=1).options.keep_logits_gib == 0.0
     assert keep_logits.resolve_keep_logits(None, None, 1, "csbp").reason == "no GPU: recomputed"
+
+
+def test_prediction_counts_the_samples_the_look_ahead_builds(tmp_path):
+    """A batch of short samples is read ahead as a whole while it fits AHEAD_TOKENS (plugin/training_model.py):
+    its features count once per sample it holds, never more than AHEAD_TOKENS of them."""
+    from specforge_csbp.plugin.training_model import AHEAD_TOKENS
+
+    def features_part(*overrides):
+        run = prepare_run(_write(tmp_path), list(overrides), csbp=True, cp_size=1)
+        off = prepare_run(_write(tmp_path), [*overrides, "csbp.prefetch_features=false"], csbp=True, cp_size=1)
+        return predicted_step(run.config, run.options, 1, "csbp")[0] - predicted_step(off.config, off.options, 1, "csbp")[0]
+
+    one = features_part()
+    assert one > 0
+    assert features_part("training.batch_size=4") == pytest.approx(4 * one)
+    assert features_part("training.batch_size=1000") == pytest.approx(AHEAD_TOKENS // 2048 * one)

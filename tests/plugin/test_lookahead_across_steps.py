@@ -130,8 +130,14 @@ def _run(name, root, out_dir, rank, masks, *, look_ahead, lie=None, start=None, 
                 return got if got is None else lie(len(told), *got)
 
             data.next_batch = lying
-    record = {"index": [], "step": [], "own_masks": [], "own_reads": [], "prepared": [], "eval_forwards": 0}
-    forward, prepare = tm.forward, tm._prepare
+    record = {"index": [], "step": [], "own_masks": [], "own_reads": [], "prepared": [], "eval_forwards": 0,
+              "ahead_sizes": []}  # fmt: skip
+    forward, prepare, ahead_of = tm.forward, tm._prepare, tm._ahead
+
+    def logged_ahead(indices):  # the samples each look-ahead builds in one job
+        got = ahead_of(indices)
+        record["ahead_sizes"].append(len(got))
+        return got
 
     def counted_forward(sample_index, global_step=0):
         if not tm.training:
@@ -150,7 +156,7 @@ def _run(name, root, out_dir, rank, masks, *, look_ahead, lie=None, start=None, 
             record["prepared"].append([threading.current_thread().name == MAIN, int(index), int(step)])
         return prepare(index, step, groups, **kwargs)
 
-    tm.forward, tm._prepare = counted_forward, logged_prepare
+    tm.forward, tm._prepare, tm._ahead = counted_forward, logged_prepare, logged_ahead
     position, world = start or {}, dist.get_world_size()
 
     def eval_data():  # SpecForge's eval loader: this rank's share, unshuffled, the last batch kept
@@ -204,6 +210,14 @@ def _worker(rank, world, out_dir):
             return torch.full_like(index, others[0]), step
         return (index, step + 1) if n == 4 else (index, step)
 
+    from specforge_csbp.plugin import training_model
+
+    budget = training_model.AHEAD_TOKENS
+    training_model.AHEAD_TOKENS = 1  # a look-ahead of the first sample only
+    try:
+        partial, partial_backend = _run("partial", root, out_dir, rank, masks, look_ahead=True)
+    finally:
+        training_model.AHEAD_TOKENS = budget
     wrong, wrong_backend = _run("wrong", root, out_dir, rank, masks, look_ahead=True, lie=lie)
     resume, resume_backend = _run("resume", root, out_dir, rank, masks, look_ahead=True, start={"step": 1, "batch": 2})
     evals, evals_backend = _run("evals", root, out_dir, rank, masks, look_ahead=True, evaluate=True)
@@ -211,13 +225,15 @@ def _worker(rank, world, out_dir):
                                               start={"step": 1, "batch": 2}, evaluate=True)  # fmt: skip
     identical = [_identical(plain_backend, b) for b in (ahead_backend, wrong_backend, evals_backend)]
     identical.append(_identical(resume_backend, resume_evals_backend))
+    identical.append(_identical(plain_backend, partial_backend))
     flags = [None] * world  # [[ahead, wrong, evals] of rank 0, of rank 1]
     dist.all_gather_object(flags, identical)
     results = {
         "plain": plain, "ahead": ahead, "wrong": wrong, "resume": resume, "evals": evals, "lie_index": others[0],
         "ahead_identical": [f[0] for f in flags], "wrong_identical": [f[1] for f in flags],
         "evals_identical": [f[2] for f in flags], "resume_evals": resume_evals,
-        "resume_evals_identical": [f[3] for f in flags],
+        "resume_evals_identical": [f[3] for f in flags], "partial": partial,
+        "partial_identical": [f[4] for f in flags],
         "optimizer_steps": len(plain_backend.grads), "losses": len(plain_backend.losses),
     }  # fmt: skip
     if rank == 0:
@@ -251,6 +267,19 @@ def test_later_micro_steps_build_no_mask_on_their_own_thread(results):
     reads = results["ahead"]["own_reads"]
     assert reads[0] > 0 and [reads[i] for i in (1, 2, 4, 5)] == [0, 0, 0, 0], reads
     assert results["ahead"]["stats"] == {"ahead_used": 4, "ahead_discarded": 0}
+
+
+def test_the_look_ahead_builds_the_whole_next_batch_or_its_first_samples(results):
+    """Both samples of a micro-step (one per rank) fit AHEAD_TOKENS: the look-ahead builds them in one job;
+    with a budget of one token it builds the first only and the second is built while the first runs (the
+    long-sample layout). Both train bit-identically and build nothing on the forward's thread."""
+    ahead, partial, plain = results["ahead"], results["partial"], results["plain"]
+    assert ahead["ahead_sizes"] and set(ahead["ahead_sizes"]) == {2}
+    assert partial["ahead_sizes"] and set(partial["ahead_sizes"]) == {1}
+    assert (partial["index"], partial["step"]) == (plain["index"], plain["step"])
+    assert results["partial_identical"] == [True, True]
+    assert [partial["own_masks"][i] for i in (1, 2, 4, 5)] == [0, 0, 0, 0], partial["own_masks"]
+    assert partial["stats"] == {"ahead_used": 4, "ahead_discarded": 0}
 
 
 def test_a_wrong_look_ahead_is_detected_and_rebuilt(results):

@@ -9,7 +9,6 @@ bidirectional draft blocks), full layers, and plans padded to a row bucket.
 import pytest
 import torch
 
-import specforge_csbp.attention.flex as flex_backend
 from specforge_csbp.models.dflash import AttentionOptions, drafter_plans, make_dflash_config, plan_attention
 from specforge_csbp.objectives.dflash import DFlashObjective, sample_anchors
 
