@@ -14,6 +14,7 @@ Function-local imports count like top-level ones: a lazy import is still a depen
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,71 @@ def test_a_module_belongs_to_the_longest_entry_that_prefixes_it():
     assert rank("p.modelsx", "p", order + ["modelsx"]) == 4  # a prefix ends at a dot
     with pytest.raises(ValueError, match="p.cli has no entry"):
         rank("p.cli", "p", order)
+
+
+# Function-local imports of the package whose `# lazy:` reason is still to be written: their files are being
+# rewritten on another branch (plugin/data.py, plugin/registry.py). Each entry is (file, imported module).
+_REASON_PENDING = {
+    ("plugin/data.py", "..data.manifest"),
+    ("plugin/data.py", "..data.store"),
+    ("plugin/registry.py", ".strategy"),
+}
+
+
+def unexplained_local_imports(root: Path) -> list[str]:
+    """'file:line module' for each function-local import of the package (relative, or by its name) that has
+    no `# lazy: why` comment on its line or directly above its group of imports."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        lines = path.read_text(encoding="utf-8").split("\n")
+        tree = ast.parse("\n".join(lines), str(path))
+        group_start = {}  # end line of an import -> start line of its import group
+        imports = sorted(
+            (n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))), key=lambda n: n.lineno
+        )
+        for n in imports:
+            group_start[n.end_lineno] = group_start.get(n.lineno - 1, n.lineno)
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for n in ast.walk(fn):
+                if isinstance(n, ast.ImportFrom) and (n.level or (n.module or "").startswith(root.name)):
+                    name = "." * n.level + (n.module or "")
+                elif isinstance(n, ast.Import) and any(a.name.startswith(root.name) for a in n.names):
+                    name = n.names[0].name
+                else:
+                    continue
+                start = group_start.get(n.lineno - 1, n.lineno)
+                said = "# lazy:" in " ".join(lines[n.lineno - 1 : n.end_lineno]) or (
+                    start >= 2 and lines[start - 2].strip().startswith("# lazy:")
+                )
+                rel = path.relative_to(root).as_posix()
+                if not said and (rel, name) not in _REASON_PENDING:
+                    out.append(f"{rel}:{n.lineno} {name}")
+    return sorted(set(out))
+
+
+def test_every_function_local_import_of_the_package_says_why_it_is_lazy():
+    assert unexplained_local_imports(PACKAGE) == []
+
+
+def test_a_lazy_import_without_a_reason_is_named(tmp_path: Path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text(
+        "def f():\n"
+        "    # lazy: optional dependency\n"
+        "    import json\n"
+        "    from . import b\n"
+        "\n"
+        "    from .b import g\n"
+        "    return b, g, json\n"
+        "\n"
+        "def h():\n"
+        "    from .b import g  # lazy: CLI start-up\n"
+        "    import pkg.b\n"
+        "    return g\n"
+    )
+    (pkg / "b.py").write_text("g = 1\n")
+    assert unexplained_local_imports(pkg) == ["a.py:11 pkg.b", "a.py:6 .b"]
