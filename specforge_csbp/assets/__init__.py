@@ -33,6 +33,7 @@ def materialize_tiny_target(out_dir: str, seed: int = 0, dtype: str = "float32")
     """
     from transformers import AutoConfig
 
+    # lazy: heavy dependency (torch); the asset paths import without it
     from ..data.capture import random_target
 
     model = random_target(AutoConfig.from_pretrained(TINY_TARGET_DIR), seed, dtype)

@@ -15,8 +15,8 @@ __all__ = ["BenchRecord", "load_records", "write_records"]
 
 
 def __getattr__(name: str):
-    # Lazy, so that `bench.isolation` imports without pydantic (bdlm_bench.py runs on machines without it).
     if name in __all__:
+        # lazy: optional dependency (pydantic): bench.isolation imports without it, as bdlm_bench.py needs
         from . import records
 
         return getattr(records, name)

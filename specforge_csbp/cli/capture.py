@@ -27,6 +27,9 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
+from ..errors import load_json
+from ..preflight import check_input_file, check_writable_dir
+
 __all__ = ["layer_ids_from_draft_config", "parse_layer_ids", "register", "run"]
 
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -42,8 +45,6 @@ def parse_layer_ids(text: str) -> list[int]:
 
 
 def layer_ids_from_draft_config(path: str) -> list[int]:
-    from ..errors import load_json
-
     cfg = load_json(path, "--draft-config")
     if not isinstance(cfg, dict):
         raise ValueError(f"--draft-config: {path} must hold a JSON object (a drafter config)")
@@ -103,6 +104,7 @@ def _record_sha256(record: dict, max_length: int) -> str:
 
 def _records(path: str):
     """(line, record, sample id) of every record (streamed: a large file is never held in memory)."""
+    # lazy: CLI start-up
     from ..data.samples import read_jsonl, sample_id_of
 
     for line, record in read_jsonl(path, "--data"):
@@ -147,9 +149,9 @@ def _check_args(args: argparse.Namespace) -> tuple[list[int], float, str | None]
     fraction, OUT-eval or None)."""
     import torch
 
+    # lazy: CLI start-up
     from ..data.split import check_eval_fraction, eval_store_dir
     from ..data.store import check_out_dir
-    from ..preflight import check_input_file, check_writable_dir
 
     layer_ids = resolve_layer_ids(args)
     fraction = check_eval_fraction(args.eval_fraction)
@@ -193,6 +195,7 @@ def _capture(args, bar, writer, eval_writer, fraction: float, tokenizer, feature
     """Tokenize each record of `bar` (the progress bar over `_records`), run the target and add the sample to
     its store (the eval store when held out); --resume skips a sample already stored under the same id and
     refuses one stored from another record. `counts` is updated in place, so SIGTERM leaves it current."""
+    # lazy: CLI start-up
     from ..data.samples import has_consecutive_supervised, tokenize_sample
     from ..data.split import held_out
 
@@ -230,6 +233,7 @@ def _capture(args, bar, writer, eval_writer, fraction: float, tokenizer, feature
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    # lazy: CLI start-up
     from ..data.capture import TargetFeatures, has_weights, load_target
     from ..data.store import FeatureStoreWriter
 

@@ -16,10 +16,13 @@ from __future__ import annotations
 import argparse
 import os
 
+from ..outputs import write_json_atomic
+
 __all__ = ["register", "run"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    # lazy: CLI start-up
     from ..eval.load import DTYPES
     from ..eval.run import DEVICES
 
@@ -51,10 +54,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # lazy: CLI start-up
     from ..eval.metrics import BUCKET_EDGES, parse_bucket_edges
     from ..eval.prompts import jsonl_prompts, store_prompts
     from ..eval.run import EvalOptions, evaluate, plot_tau, summary_line
-    from ..outputs import write_json_atomic
 
     if args.num_prompts is not None and args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1; got {args.num_prompts}")

@@ -15,6 +15,8 @@ import argparse
 import os
 import re
 
+from ..preflight import check_outside, check_writable_dir
+
 __all__ = ["register", "run"]
 
 
@@ -42,8 +44,6 @@ _ROTATED = re.compile(r"(.+-step\d+|step_\d{8})$")  # SpecForge's and train-bdlm
 
 def _check_out_location(checkpoint: str, out: str) -> None:
     """OUT must not live inside a checkpoint directory: the trainer's rotation deletes those."""
-    from ..preflight import check_outside, check_writable_dir
-
     check_writable_dir(os.path.dirname(os.path.abspath(out)) or ".", "OUT")
     why = "which the trainer's checkpoint rotation deletes"
     if os.path.isdir(checkpoint) and _ROTATED.match(os.path.basename(os.path.realpath(checkpoint))):
@@ -56,6 +56,7 @@ def _check_out_location(checkpoint: str, out: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # lazy: CLI start-up
     from ..export.writer import export_drafter, serve_commands
 
     _check_out_location(args.checkpoint, args.out)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from ..preflight import check_writable_dir
 from .capture import resolve_layer_ids
 
 __all__ = ["register", "run"]
@@ -38,11 +39,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # lazy: CLI start-up
     from ..data.manifest import TargetInfo, config_hash
     from ..data.specforge_import import import_specforge_records
     from ..data.store import check_out_dir
-
-    from ..preflight import check_writable_dir
 
     layer_ids = resolve_layer_ids(args)
     if (args.target is None) == (args.hidden_size is None):

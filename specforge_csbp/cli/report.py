@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..bench.records import BenchRecord
 from ..bench.report import write_report
+from ..errors import load_json
 
 __all__ = ["register", "run"]
 
@@ -37,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     predictor, note, same_code = None, "", None
     if args.predict:
+        # lazy: CLI start-up
         from ..planner.profile import load_profile
         from ..planner.validate import record_predictor
 
@@ -56,13 +58,13 @@ def run(args: argparse.Namespace) -> int:
         note = (f"Planner predictions use the profile `{default_name}` ({profile.summary()})"
                 + "".join(f"; for `{w}` the profile `{own_names[w]}` ({p.summary()})" for w, p in sorted(own.items()))
                 + " and the model configs " + ", ".join(f"`{w}`: `{c}`" for w, c in sorted(models.items())) + ".")
-    from ..errors import load_json
 
     if Path(args.out).is_dir():
         raise ValueError(f"--out: {args.out} is a directory; give the markdown file to write")
     code_by_file = load_json(args.code_by_file, "--code-by-file") if args.code_by_file else None
     rerun = None
     if args.scenarios:
+        # lazy: CLI start-up
         from ..bench.scenarios import load_scenarios, rerun_command
 
         scenarios = load_scenarios(args.scenarios)

@@ -23,6 +23,7 @@ from ..bench.grid import (
     point_command,
 )
 from ..bench.runner import run_sweep, write_outputs
+from ..preflight import check_writable_dir
 
 __all__ = ["register", "run"]
 
@@ -66,8 +67,6 @@ def _ints(text: str, field: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..preflight import check_writable_dir
-
     check_writable_dir(args.out_dir, "--out-dir")
     if args.report_only:
         records = write_outputs(args.out_dir)

@@ -13,6 +13,7 @@ __all__ = ["register"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    # lazy: CLI start-up
     from ..plugin.launch import add_train_arguments
 
     p = sub.add_parser(
@@ -24,6 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # lazy: CLI start-up
     from ..plugin.launch import run
 
     return run(args, prog="specforge-csbp train")

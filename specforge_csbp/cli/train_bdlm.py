@@ -21,6 +21,8 @@ import os
 import subprocess
 import sys
 
+from ..preflight import check_local_path
+
 __all__ = ["register", "run", "torchrun_command"]
 
 
@@ -34,6 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _rank_main(rank: int, world: int, recipe) -> None:
+    # lazy: CLI start-up
     from ..models.bdlm.recipe import build_workload
     from ..training.trainer import train
 
@@ -81,12 +84,12 @@ def gpu_world_size(parallel, gpus: int) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # lazy: CLI start-up
     from ..models.bdlm.recipe import BDLMRecipe, preflight
     from ..training.config import load_recipe
     from ..training.trainer import launch, under_torchrun
 
     recipe = load_recipe(BDLMRecipe, args.config, args.overrides)
-    from ..preflight import check_local_path
 
     check_local_path(recipe.model.pretrained, "model.pretrained")
     if under_torchrun():

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..errors import is_user_error, one_line
 from ..outputs import write_json_atomic
 
 __all__ = [
@@ -287,7 +288,6 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, timeou
         peer = isinstance(err, getattr(dist, "DistBackendError", ())) or any(
             s in str(err) for s in _PEER_ERRORS
         )
-        from ..errors import is_user_error, one_line
 
         user = not peer and is_user_error(err)  # bad input, a file, disk full: comes back as one line
         _write(err_file, kind="exception", rank=rank, type=type(err).__name__,

@@ -19,6 +19,8 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 
+from ..errors import is_user_error, one_line
+
 __all__ = ["ENV", "error_dir", "record", "root_cause"]
 
 ENV = "SPECFORGE_CSBP_ERROR_DIR"
@@ -45,8 +47,6 @@ def error_dir() -> Iterator[str]:
 
 def record(err: BaseException) -> None:
     """In a worker: write this rank's one-line error where the launcher looks (no-op outside a relay)."""
-    from ..errors import is_user_error, one_line
-
     root = os.environ.get(ENV)
     if not root or not os.path.isdir(root):
         return

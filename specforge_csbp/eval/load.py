@@ -12,6 +12,10 @@ import os
 
 import torch
 
+from ..data.capture import check_target_layer_ids, load_target
+from ..export.checkpoint import load_checkpoint
+from ..models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel
+
 __all__ = [
     "DTYPES",
     "check_pair",
@@ -35,9 +39,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> str:
 
 def load_drafter(path: str, *, untrained: bool = False, seed: int = 0, dtype: str, device: torch.device):
     """(model, DrafterCheckpoint) on `device` in `dtype`, in eval mode."""
-    from ..export.checkpoint import load_checkpoint
-    from ..models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel
-
     if not os.path.exists(path):
         raise ValueError(f"--drafter: {path} does not exist")
     ckpt = load_checkpoint(path)
@@ -66,8 +67,6 @@ def load_target_config(path: str):
 def load_eval_target(path: str, *, dtype: str, device: torch.device, seed: int = 0):
     """A transformers causal LM (sdpa attention); a directory with a config but no weights gets the seeded
     random weights `specforge-csbp capture` uses for it."""
-    from ..data.capture import load_target
-
     if not os.path.exists(path):
         raise ValueError(f"--target: {path} does not exist")
     model, _ = load_target(path, dtype=dtype, device=str(device), seed=seed)
@@ -76,8 +75,6 @@ def load_eval_target(path: str, *, dtype: str, device: torch.device, seed: int =
 
 def check_pair(drafter_config, target_config) -> None:
     """The drafter must read this target: hidden size, layer ids, vocabulary, mask token."""
-    from ..data.capture import check_target_layer_ids
-
     t = target_config.get_text_config()
     d = drafter_config
     if int(d.hidden_size) != int(t.hidden_size):

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..data.store import FeatureStore
 from ..errors import read_jsonl
 
 __all__ = ["jsonl_prompts", "store_prompts"]
@@ -86,8 +87,6 @@ def _split_ids(store, root: str, split: str) -> list[str]:
 
 
 def store_prompts(root: str, split: str | None = None, limit: int | None = None) -> list[torch.Tensor]:
-    from ..data.store import FeatureStore
-
     if not os.path.isdir(root):
         raise ValueError(f"--store: {root} does not exist")
     if split is not None and os.path.isdir(os.path.join(root, split)):

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..outputs import pyplot, save_figure_atomic
 from .drafter import DraftContext
 from .load import (
     check_pair,
@@ -176,8 +177,6 @@ def _bucket_name(b: dict[str, Any]) -> str:
 
 def plot_tau(results_or_summary: dict[str, Any], path: str) -> None:
     """PNG: tau per context-position bucket (bars) and per finer bin of the verify steps (line)."""
-    from ..outputs import pyplot, save_figure_atomic
-
     plt = pyplot()
     summary = results_or_summary
     fig, ax = plt.subplots(figsize=(7, 4))

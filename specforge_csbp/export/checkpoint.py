@@ -22,6 +22,8 @@ from typing import Any
 import torch
 
 from ..errors import load_json
+from ..models.dflash.configuration import DFlashConfig
+from ..models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel
 
 __all__ = ["DrafterCheckpoint", "load_checkpoint", "load_drafter_state", "resolve_source"]
 
@@ -83,8 +85,6 @@ def resolve_source(path: str) -> tuple[str, str]:
 
 
 def _config_from_dict(data: dict, where: str):
-    from ..models.dflash.configuration import DFlashConfig
-
     archs = data.get("architectures") or []
     if len(archs) != 1 or archs[0] not in _ARCHES + ("CSBPDFlashDraftModel",):
         raise ValueError(
@@ -146,8 +146,6 @@ def load_checkpoint(path: str) -> DrafterCheckpoint:
 
 def _check_weights(ckpt: DrafterCheckpoint) -> None:
     """The weights must be exactly the drafter's parameters (a CSBP drafter, not something else)."""
-    from ..models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel
-
     cls = DFlash2DraftModel if ckpt.architecture == "DFlash2DraftModel" else DFlashDraftModel
     with torch.device("meta"):
         model = cls(ckpt.config)

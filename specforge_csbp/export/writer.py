@@ -24,9 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import __version__
 from ..errors import load_json
+from ..models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel
 from ..outputs import file_sha256, staged_dir
 from .checkpoint import DrafterCheckpoint, load_checkpoint
+from .sglang_contract import check_export
+from .vllm_contract import check_vllm_export
 
 __all__ = [
     "EXPORT_FORMAT", "SGLANG_FLOORS", "TARGETS", "VLLM_FLOORS", "ExportResult", "export_drafter", "load_exported",
@@ -76,8 +80,6 @@ def _check_out(out: str, overwrite: bool) -> None:
 
 
 def _model(ckpt: DrafterCheckpoint, dtype: torch.dtype):
-    from ..models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel
-
     cls = DFlash2DraftModel if ckpt.architecture == "DFlash2DraftModel" else DFlashDraftModel
     model = cls(ckpt.config)
     model.load_state_dict(ckpt.state_dict, strict=True)
@@ -136,10 +138,6 @@ def export_drafter(
     """Export CHECKPOINT to OUT for `to`. dtype: --dtype, else the target's (`target` = its directory), else
     the weights' dtype as trained."""
     from safetensors.torch import save_file
-
-    from .. import __version__
-    from .sglang_contract import check_export
-    from .vllm_contract import check_vllm_export
 
     if to not in TARGETS:
         raise ValueError(f"--to must be one of {', '.join(TARGETS)}; got {to!r}")
@@ -201,8 +199,6 @@ def export_drafter(
 
 def load_exported(out: str):
     """The drafter in an export directory, as this project's model (config.json + weights, strict)."""
-    from .checkpoint import load_checkpoint
-
     ckpt = load_checkpoint(out)
     return _model(ckpt, next(iter(ckpt.state_dict.values())).dtype)
 

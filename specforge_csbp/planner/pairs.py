@@ -228,6 +228,7 @@ def drafter_rank_stats(
     owned = assign_dual_end(cost, P, what="anchors").items if mode in ("bp", "csbp") else None
     zig = ZigzagShards(context_len, S, P) if P > 1 else None
     if mode == "csbp" and P > 1:  # as the drafter plans own them: runs near their context, within the slack
+        # lazy: heavy dependency (models.dflash loads transformers); the cost model imports without it
         from ..models.dflash.sharding import Q_TILE_ROWS, RUN_LOAD_SLACK
 
         home = zig.owner_at((torch.tensor(pos) - 1).clamp(min=0)).tolist()

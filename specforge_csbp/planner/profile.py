@@ -43,6 +43,11 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..bench.provenance import library_digest
+from ..distributed.launch import init_from_env, spawn
+from ..errors import load_json, one_line
+from ..layout.plans import bdlm_plan
+from ..parallel.sharded_attention import ShardedAttention
+from .pairs import count_visible
 from .rates import BDLMLayerSpec, measure_bdlm_layer, measure_drafter_attention, measure_work_rates, timed
 
 __all__ = ["BUILTIN_PROFILES", "MachineProfile", "calibrate", "load_profile"]
@@ -167,8 +172,6 @@ def load_profile(name_or_path: str | os.PathLike) -> MachineProfile:
     """A profile JSON file, or a built-in name (BUILTIN_PROFILES)."""
     from pydantic import ValidationError
 
-    from ..errors import load_json, one_line
-
     if str(name_or_path) in BUILTIN_PROFILES:
         data = json.loads(resources.files(__package__).joinpath(f"profiles/{name_or_path}.json").read_text())
     else:
@@ -202,10 +205,6 @@ def _measure_compute(device: torch.device, bdlm_layer: BDLMLayerSpec | None = No
 
 
 def _measure_kernels(device: torch.device) -> dict:
-    from ..layout.plans import bdlm_plan
-    from ..parallel.sharded_attention import ShardedAttention
-    from .pairs import count_visible
-
     z = _sizes(device)
     n, dt = z["n"], z["dtype"]
     a = torch.randn(n, n, device=device, dtype=dt)
@@ -291,8 +290,6 @@ def calibrate(
     """Measure this machine. Under torchrun (RANK set) every rank takes part and all return the profile;
     otherwise `world_size` gloo ranks are spawned on the CPU (1 = compute only, no collective rates).
     `bdlm_layer`: also measure that BDLM layer (bdlm_layer_tflops / bdlm_layer_shape; rates.py)."""
-    from ..distributed.launch import init_from_env, spawn
-
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "profile.json")
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

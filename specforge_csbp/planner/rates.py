@@ -69,6 +69,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..objectives.dflash import DFlashObjective, sample_anchors
+from ..objectives.linear_ce import linear_cross_entropy
+from ..objectives.linear_ce_topk import linear_ce_topk
+from ..parallel.options import AttentionOptions
+from .pairs import count_visible
+
 if TYPE_CHECKING:
     from .shapes import ModelShape
 
@@ -170,9 +176,6 @@ def _layer_tflops(device: torch.device, z: dict) -> float:
 
 
 def _loss_tflops(device: torch.device, z: dict) -> tuple[float, float, float]:
-    from ..objectives.linear_ce import linear_cross_entropy
-    from ..objectives.linear_ce_topk import linear_ce_topk
-
     n, h, V = z["rows"], z["hidden"], z["vocab"]
     hidden = torch.randn(n, h, device=device, dtype=z["dtype"], requires_grad=True)
     head = (torch.randn(V, h, device=device, dtype=z["dtype"]) * h**-0.5).requires_grad_(True)
@@ -235,16 +238,13 @@ def measure_work_rates(device: torch.device) -> dict[str, float]:
 
 def drafter_attention_anchors(z: dict) -> torch.Tensor:
     """The calibration's anchors: the training sampler (uniform, seed 0) over a fully supervised context."""
-    from ..objectives.dflash import DFlashObjective, sample_anchors
-
     objective = DFlashObjective(num_anchors=z["anchors"], seed=0)
     return sample_anchors(torch.ones(z["context"]), objective, block_size=z["block"])
 
 
 def _drafter_attention_tflops(device: torch.device, z: dict) -> dict[str, float]:
+    # lazy: heavy dependency (models.dflash loads transformers); the cost model imports without it
     from ..models.dflash import drafter_plans, make_dflash_config, plan_attention
-    from ..parallel.options import AttentionOptions
-    from .pairs import count_visible
 
     H, Hk, D, S = z["heads"], z["kv_heads"], z["head_dim"], z["block"]
     # only the attention fields matter; the rest are placeholders the config validation asks for

@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..errors import load_json
+
 __all__ = ["ModelShape", "load_shape"]
 
 
@@ -93,8 +95,6 @@ def load_shape(config: str | os.PathLike | dict[str, Any], *, workload: str | No
     if isinstance(config, dict):
         cfg = config
     else:
-        from ..errors import load_json
-
         cfg = load_json(config, "model")  # missing, a directory, not UTF-8, not JSON: one line with file:line
         if not isinstance(cfg, dict):
             raise ValueError(f"model: {path} must hold a JSON object (a model config)")

@@ -47,7 +47,8 @@ def _dispatching_main(original):
     def main(argv=None):
         if disabled():
             return original(argv)
-        from .dispatch import dispatch  # deferred: the hook itself stays import-free
+        # lazy: interpreter start-up (the .pth hook imports nothing until `specforge.cli` runs)
+        from .dispatch import dispatch
 
         return dispatch(original, argv)
 

@@ -17,6 +17,8 @@ import json
 import os
 from typing import Any
 
+from ..errors import load_json
+
 __all__ = ["check_resume_config", "check_warm_start", "first_difference", "saved_draft_config"]
 
 # fields that do not change the drafter's function or shapes
@@ -61,8 +63,6 @@ def saved_draft_config(path: str) -> dict | None:
     local = os.path.abspath(os.path.expanduser(path.removeprefix("file://")))
     config = os.path.join(local, "config.json") if os.path.isdir(local) else None
     if config and os.path.isfile(config) and not os.path.isfile(os.path.join(local, "training_state.pt")):
-        from ..errors import load_json
-
         return load_json(config, "model.draft_checkpoint_path")
     state_file = _state_file(path)
     if state_file is None:

@@ -87,6 +87,7 @@ def _stock_train_help(original: Callable, argv) -> int:
 def dispatch(original: Callable, argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if claims(args):
+        # lazy: start-up of every `specforge` command (torch, pydantic: CSBP runs only)
         from .launch import train_main
 
         return train_main(args[1:], prog="specforge train")

@@ -13,6 +13,9 @@ SpecForge 0.2.0 registers its own `DFlashDraftModel`, so this project's DFlash c
 
 from __future__ import annotations
 
+from ..models.dflash.configuration import DFlashConfig
+from ..models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel
+
 __all__ = ["CSBP_DFLASH_KEY", "DFLASH2_KEY", "register_drafts", "to_dflash_config"]
 
 CSBP_DFLASH_KEY = "CSBPDFlashDraftModel"
@@ -24,8 +27,6 @@ def register_drafts() -> dict[str, type]:
     import specforge.modeling.draft  # noqa: F401  (registers SpecForge's built-ins first)
     from specforge.modeling.draft.registry import DRAFT_REGISTRY, register_draft
 
-    from ..models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel
-
     wanted = {CSBP_DFLASH_KEY: DFlashDraftModel, DFLASH2_KEY: DFlash2DraftModel}
     for key, cls in wanted.items():
         if DRAFT_REGISTRY.get(key) is not cls:
@@ -35,8 +36,6 @@ def register_drafts() -> dict[str, type]:
 
 def to_dflash_config(draft_config, architecture: str):
     """Any draft config (SpecForge's DFlash config class, or ours) as this project's DFlashConfig."""
-    from ..models.dflash.configuration import DFlashConfig
-
     payload = draft_config.to_dict() if hasattr(draft_config, "to_dict") else dict(draft_config)
     for key in ("model_type", "transformers_version", "auto_map", "_attn_implementation_autoset"):
         payload.pop(key, None)

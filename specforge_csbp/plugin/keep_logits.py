@@ -20,6 +20,9 @@ import os
 from dataclasses import dataclass
 
 from ..errors import load_json
+from ..planner.memory import drafter_step_memory
+from ..planner.pairs import drafter_rank_stats
+from ..planner.shapes import load_shape
 
 __all__ = ["HEADROOM_GIB", "HEADROOM_SHARE", "KeepLogitsChoice", "choose_keep_logits_gib", "resolve_keep_logits"]
 
@@ -65,10 +68,6 @@ def _draft_config(path: str | None) -> dict:
 def predicted_step(cfg, options, cp_size: int, mode: str) -> tuple[float, float]:
     """(peak GiB of one rank's drafter step with the logits recomputed, that rank's kept-logits GiB), the
     largest over the ranks, from the planner's memory model."""
-    from ..planner.memory import drafter_step_memory
-    from ..planner.pairs import drafter_rank_stats
-    from ..planner.shapes import load_shape
-
     raw = _draft_config(cfg.model.draft_model_config)
     shape = load_shape(raw, workload="drafter")
     block = int((raw.get("dflash_config") or {}).get("block_size") or raw.get("block_size") or 16)

@@ -20,9 +20,15 @@ import argparse
 import os
 import sys
 
-from ..errors import is_user_error, one_line
+from ..data.manifest import config_hash
+from ..data.store import FeatureStore
 from ..distributed import relay
+from ..errors import is_user_error, load_json, one_line
+from ..preflight import check_local_path, check_store_trainable, check_writable_dir
+from .checkpoints import check_resume_config, check_warm_start
+from .data import check_store_path
 from .options import PreparedRun, prepare_run
+from .registry import plugin_registry
 
 __all__ = ["TORCHRUN_PREFIX", "WORKER_PREFIX", "add_train_arguments", "preflight", "run", "train_main"]
 
@@ -69,8 +75,6 @@ def train_main(argv: list[str], *, prog: str = "specforge-csbp train") -> int:
 
 
 def _draft_config_dict(path: str) -> dict | None:
-    from ..errors import load_json
-
     src = path if path.endswith(".json") else os.path.join(path, "config.json")
     if not os.path.isfile(src):
         return None
@@ -91,10 +95,6 @@ def check_cpu_backend(backend: str) -> None:
 def preflight(prepared: PreparedRun) -> None:
     """Cheap cross-checks in the launching process, so a bad store / config / checkpoint / output directory
     fails before any worker starts (specforge_csbp/preflight.py holds the shared checks)."""
-    from ..data.store import FeatureStore
-    from ..preflight import check_local_path, check_store_trainable, check_writable_dir
-    from .data import check_store_path
-
     cfg = prepared.config
     check_cpu_backend(cfg.training.attention_backend)
     check_writable_dir(cfg.output_dir, "output_dir")
@@ -125,8 +125,6 @@ def preflight(prepared: PreparedRun) -> None:
         return  # a torchrun worker: its launcher ran the checks below (they read files: once per run)
     check_store_trainable(store, int(cfg.data.max_length))
     if draft is not None:
-        from .checkpoints import check_resume_config, check_warm_start
-
         if cfg.model.draft_checkpoint_path:
             check_warm_start(cfg.model.draft_checkpoint_path, draft)
         if cfg.training.resume_from:
@@ -135,8 +133,6 @@ def preflight(prepared: PreparedRun) -> None:
 
 def _check_target(target_path: str, manifest) -> None:
     """The target's config must be the one the store was captured from (hash of its config.json)."""
-    from ..data.manifest import config_hash
-
     if manifest.target.config_sha256 is None or not target_path or not os.path.exists(target_path):
         return  # a hub name: resolved (and checked) in the workers
     from transformers import AutoConfig
@@ -173,8 +169,6 @@ def run(args: argparse.Namespace, *, prog: str) -> int:
         preflight(prepared)
         from specforge.application import resolve_run
         from specforge.launch_plan import build_launch_plan
-
-        from .registry import plugin_registry
 
         resolved = resolve_run(prepared.config, registry=plugin_registry(prepared.options))
         plan = build_launch_plan(
@@ -236,6 +230,7 @@ def _train(resolved, prepared: PreparedRun) -> int:
     from specforge.cli import _bootstrap_single_process_env
     from specforge.distributed import destroy_distributed, init_distributed
 
+    # lazy: optional dependency (optimizer imports SpecForge); worker-only modules
     from . import groups, lookahead, optimizer, reporting
 
     cfg = resolved.config

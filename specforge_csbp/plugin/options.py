@@ -26,7 +26,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from ..errors import load_config
 from ..parallel.options import AttentionOptions
+from ..preflight import check_finite
+from .data import check_store_path
+from .keep_logits import resolve_keep_logits
 
 __all__ = [
     "CSBP_OF",
@@ -162,8 +166,6 @@ def _drop_auto(section: dict) -> None:
 
 
 def _read_raw(path: str) -> dict:
-    from ..errors import load_config
-
     raw = load_config(path, "--config")
     if not isinstance(raw, dict):
         raise ValueError(f"--config: {path} must hold a mapping with model/data/training sections")  # noqa: TRY004
@@ -235,8 +237,6 @@ def prepare_run(
     except ValidationError as err:
         raise ValueError(one_line(err)) from None
 
-    from ..preflight import check_finite
-
     check_finite(options.model_dump(), "csbp")
     check_finite(cfg.model_dump())  # pydantic's gt/ge bounds let inf through (learning_rate: inf)
     forward = list(spec_overrides)
@@ -260,8 +260,6 @@ def prepare_run(
                 f"csbp.mode={options.mode}: training.strategy={strategy!r} is not a CSBP strategy; add --csbp"
             )
     if strategy in PLUGIN_STRATEGIES and cfg.data.eval_hidden_states_path:
-        from .data import check_store_path  # eval during training reads a feature store too
-
         check_store_path(cfg.data.eval_hidden_states_path, "data.eval_hidden_states_path")
     if strategy in PLUGIN_STRATEGIES and cfg.training.fsdp_sharding != "NO_SHARD":
         raise ValueError(
@@ -293,8 +291,6 @@ def prepare_run(
     else:
         cp, dp = 1, world
     if "keep_logits_gib" not in options.model_fields_set and strategy in PLUGIN_STRATEGIES and _trains_here(world):
-        from .keep_logits import resolve_keep_logits
-
         choice = resolve_keep_logits(cfg, options, cp, options.mode if is_csbp else "dp")
         options = options.model_copy(update={"keep_logits_gib": choice.keep_logits_gib})
         if os.environ.get("LOCAL_RANK", "0") == "0":

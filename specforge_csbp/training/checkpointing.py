@@ -27,6 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..planner.memory import bdlm_step_memory
+from ..planner.pairs import bdlm_rank_stats
+from ..planner.shapes import load_shape
+
 __all__ = ["HEADROOM_GIB", "HEADROOM_SHARE", "CheckpointingChoice", "bdlm_peak_gib", "keep_activations",
            "layers_that_fit", "needs_checkpointing", "resolve_checkpointing"]  # fmt: skip
 
@@ -78,10 +82,6 @@ def layers_that_fit(peak_none: float, peak_all: float, layers: int, available_gi
 
 def bdlm_peak_gib(workload, model, ctx, *, checkpointing: bool) -> float:
     """Predicted peak GiB of this run's largest rank for a BDLM workload (ValueError: no memory model)."""
-    from ..planner.memory import bdlm_step_memory
-    from ..planner.pairs import bdlm_rank_stats
-    from ..planner.shapes import load_shape
-
     try:
         seq_len, objective, chunk = workload.seq_len, workload.objective, workload.ce_chunk_size
         config, block, rule = model.config, model.block_size, model.clean_within_block

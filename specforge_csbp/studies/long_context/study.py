@@ -28,7 +28,11 @@ import subprocess
 import sys
 from dataclasses import dataclass, replace
 
-from ...outputs import write_json_atomic, write_text_atomic
+from ...bench.records import BenchRecord
+from ...cli.main import main as cli_main
+from ...outputs import pyplot, save_figure_atomic, write_json_atomic, write_text_atomic
+from .documents import DocSpec, eval_prompts, make_document
+from .target import HELD_OUT_BASE, TargetScale, accuracy_by_distance, train_target
 
 __all__ = ["SCALES", "STAGES", "Scale", "run_stage"]
 
@@ -70,8 +74,6 @@ class Scale:
 
 
 def _scales() -> dict[str, Scale]:
-    from .target import TargetScale
-
     cpu = Scale(
         name="cpu",
         target=TargetScale(layers=3, hidden=64, heads=4, kv_heads=2, intermediate=128, rope_theta=10000.0,
@@ -101,8 +103,6 @@ STAGES = ("target", "capture", "train", "eval", "report")
 
 
 def doc_spec(scale: Scale, length: int, seed: int):
-    from .documents import DocSpec
-
     return DocSpec(length=length, vocab_size=scale.target.vocab_size, seed=seed, min_distance=scale.min_distance)
 
 
@@ -119,9 +119,7 @@ def _call(run: str, argv: list[str], env: dict | None = None, *, in_process: boo
     cmd = shlex.join(argv)
     _log(run, f"$ {cmd}")
     if in_process:
-        from ...cli.main import main
-
-        rc = main(argv[3:])
+        rc = cli_main(argv[3:])
     else:
         full = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
         rc = subprocess.run([sys.executable, *argv[1:]], env=full).returncode
@@ -148,8 +146,6 @@ def _note_command(run: str, key: str, cmd: str) -> None:
 # -- stages -------------------------------------------------------------------------------------------
 def stage_target(run: str, scale: Scale, seed: int) -> None:
     from transformers import AutoModelForCausalLM
-
-    from .target import HELD_OUT_BASE, accuracy_by_distance, train_target
 
     done = train_target(run, scale.target, doc_spec(scale, scale.long_len, seed), device=scale.device,
                         minutes=scale.target_minutes, workers=8 if scale.device == "cuda" else 0,
@@ -188,9 +184,6 @@ def drafter_config(scale: Scale) -> dict:
 
 
 def stage_capture(run: str, scale: Scale, seed: int) -> None:
-    from .documents import eval_prompts, make_document
-    from .target import HELD_OUT_BASE
-
     data = os.path.join(run, "data")
     os.makedirs(data, exist_ok=True)
     write_json_atomic(os.path.join(run, "drafter.json"), drafter_config(scale))
@@ -294,8 +287,6 @@ def _device_name(scale: Scale) -> str:
 
 def study_records(run: str, scale: Scale, device: str) -> list[dict]:
     """One record per (drafter, context-position bucket) and one per target-accuracy bucket."""
-    from ...bench.records import BenchRecord
-
     cmds = _commands(run)
     date = datetime.date.today().isoformat()
     mode = "csbp" if scale.cp_size > 1 else "dp"
@@ -331,8 +322,6 @@ def study_records(run: str, scale: Scale, device: str) -> list[dict]:
 
 def plot_study(records: list[dict], path: str) -> None:
     """Left: tau per context-position bucket, one line per drafter. Right: the target's accuracy by distance."""
-    from ...outputs import pyplot, save_figure_atomic
-
     plt = pyplot()
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for kind, color in (("short", "tab:orange"), ("long", "tab:blue")):
