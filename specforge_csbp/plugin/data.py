@@ -28,6 +28,9 @@ from functools import partial
 
 import torch
 
+from ..data.manifest import MANIFEST_NAME
+from ..data.store import FeatureStore
+
 __all__ = [
     "FEATURE",
     "NORMALIZER_ID",
@@ -49,8 +52,6 @@ INDEX_FILE = "index.pt"
 def check_store_path(path: str, field: str = "data.hidden_states_path") -> None:
     """One-line ValueError naming `field` (data.hidden_states_path or data.eval_hidden_states_path) unless
     `path` is a feature store."""
-    from ..data.manifest import MANIFEST_NAME
-
     if not path:
         raise ValueError(f"{field}: empty; CSBP strategies train from a feature store")
     if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
@@ -97,8 +98,6 @@ class StoreIndexReader:
     """`OfflineDataProvider.build_reader` product: one metadata-only SampleRef per store sample."""
 
     def __init__(self, strategy: str, hidden_states_path: str, *, run_id: str, ttt_length: int, max_len: int):
-        from ..data.store import FeatureStore
-
         check_store_path(hidden_states_path)
         self.strategy, self.run_id, self.max_len = strategy, run_id, max_len
         self.store = FeatureStore(hidden_states_path, verify="trust")

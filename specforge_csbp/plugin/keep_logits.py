@@ -23,6 +23,7 @@ from ..errors import load_json
 from ..planner.memory import drafter_step_memory
 from ..planner.pairs import drafter_rank_stats
 from ..planner.shapes import load_shape
+from .prefetch_jobs import AHEAD_TOKENS
 
 __all__ = ["HEADROOM_GIB", "HEADROOM_SHARE", "KeepLogitsChoice", "choose_keep_logits_gib", "resolve_keep_logits"]
 
@@ -78,8 +79,6 @@ def predicted_step(cfg, options, cp_size: int, mode: str) -> tuple[float, float]
     windows = sorted(set(shape.windows), key=lambda w: (w is not None, w or 0))
     per_window = {w: drafter_rank_stats(mode, context, anchors, block, cp_size, w) for w in windows}
     # samples the look-ahead builds at once: the CP group's micro-step, while their tokens fit AHEAD_TOKENS
-    from .training_model import AHEAD_TOKENS
-
     group_batch = int(getattr(cfg.training, "batch_size", 1) or 1) * cp_size
     ahead = max(1, min(group_batch, AHEAD_TOKENS // max(context, 1)))
     step, logits = 0.0, 0.0

@@ -27,7 +27,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator, Sequence
 
-__all__ = ["PrefetchJobs"]
+__all__ = ["AHEAD_TOKENS", "PrefetchJobs"]
+
+#: tokens of the next micro-step's samples its look-ahead builds at most (always at least its first sample):
+#: 16 samples of 4K are built in one go, a 64K sample alone
+AHEAD_TOKENS = 1 << 16
 
 #: what a job builds: (store indices, global step, anything else the builder needs); jobs match on the first two
 Key = tuple[Hashable, ...]

@@ -233,7 +233,7 @@ def resolve_capture_layers(cfg, draft_config, target_config):
 
 # -- step provider ------------------------------------------------------------------------------------
 def build_step(name: str, wrapped_model, *, target_head=None, **_options):
-    from .strategy import CSBPDraftTrainStrategy
+    from .strategy import CSBPDraftTrainStrategy  # lazy: strategy.py imports SpecForge (optional dependency)
 
     return CSBPDraftTrainStrategy(wrapped_model, name=name)
 

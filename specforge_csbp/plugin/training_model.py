@@ -56,15 +56,12 @@ from ..models.dflash.step import STAT_KEYS, plan_sample, sample_terms
 from ..parallel.options import AttentionOptions
 from . import groups as csbp_groups
 from . import lookahead
-from .prefetch_jobs import PrefetchJobs
+from .prefetch_jobs import AHEAD_TOKENS, PrefetchJobs
 
 __all__ = ["AHEAD_TOKENS", "EVAL_ANCHOR_STEP", "CSBPDrafterTrainingModel"]
 #: eval forwards draw their anchors as at this step, whatever the global step: every eval pass scores the
 #: same blocks, so successive evals compare (the loss weights still follow the global step)
 EVAL_ANCHOR_STEP = 0
-#: tokens of the next micro-step's samples its look-ahead builds at most (always at least its first sample):
-#: 16 samples of 4K are built in one go, a 64K sample alone
-AHEAD_TOKENS = 1 << 16
 
 
 class CSBPDrafterTrainingModel(nn.Module):
