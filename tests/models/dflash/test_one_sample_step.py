@@ -78,7 +78,11 @@ def test_plugin_and_benchmark_run_the_same_step(tmp_path, monkeypatch):
         forwards["inside" if where["inside"] else "outside"] += 1
         return model_forward(self, *args, **kwargs)
 
+    from specforge_csbp.plugin import training_model
+
+    assert training_model.sample_terms is dflash_step.sample_terms  # the plugin imports the one step function
     monkeypatch.setattr(dflash_step, "sample_terms", recorded)
+    monkeypatch.setattr(training_model, "sample_terms", recorded)  # its module-level name, seen by forward
     monkeypatch.setattr(DFlashDraftModel, "forward", counted_forward)  # DFlash2DraftModel inherits it
 
     # the plugin: one micro-step of the module SpecForge wraps (one process, the store's first sample)
