@@ -21,6 +21,7 @@ from typing import Any
 
 __all__ = [
     "check_finite",
+    "check_flex_backend_on_cpu",
     "check_input_file",
     "check_local_path",
     "check_outside",
@@ -115,3 +116,14 @@ def check_outside(out: str | os.PathLike, field: str, rotated: str | os.PathLike
     root = os.path.realpath(os.fspath(rotated))
     if out_abs == root or out_abs.startswith(root.rstrip(os.sep) + os.sep):
         raise ValueError(f"{field}: {out} is inside {rotated}, {why}; write it outside that directory")
+
+
+def check_flex_backend_on_cpu(field: str, backend: str, flex: str, *, where: str, allowed: str) -> None:
+    """A run on the CPU that asks for FlexAttention (`backend == flex`, the entry point's name for it) stops
+    before any worker starts: FlexAttention has no backward on the CPU. `where` says why this run is on the
+    CPU, `allowed` the backends that are."""
+    if backend == flex:
+        raise ValueError(
+            f"{field}={backend}: FlexAttention trains on GPUs only (no backward on the CPU) and {where}; "
+            f"allowed here: {allowed}"
+        )

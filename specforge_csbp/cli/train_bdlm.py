@@ -21,7 +21,7 @@ import os
 import subprocess
 import sys
 
-from ..preflight import check_local_path
+from ..preflight import check_flex_backend_on_cpu, check_local_path
 
 __all__ = ["register", "run", "torchrun_command"]
 
@@ -56,12 +56,11 @@ def torchrun_command(config: str, overrides: list[str], world: int) -> list[str]
 
 
 def check_cpu_backend(parallel) -> None:
-    """A CPU run trains through the dense backend: FlexAttention has no backward on the CPU."""
-    if parallel.attention_backend == "flex":
-        raise ValueError(
-            "parallel.attention_backend=flex: FlexAttention trains on GPUs only (no backward on the CPU) and this "
-            "run is on the CPU; allowed here: auto (dense on the CPU, flex on GPUs) or dense"
-        )
+    """A CPU run trains through the dense backend (preflight.check_flex_backend_on_cpu)."""
+    check_flex_backend_on_cpu(
+        "parallel.attention_backend", parallel.attention_backend, "flex",
+        where="this run is on the CPU", allowed="auto (dense on the CPU, flex on GPUs) or dense",
+    )  # fmt: skip
 
 
 def gpu_world_size(parallel, gpus: int) -> int | None:

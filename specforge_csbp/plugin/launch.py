@@ -20,11 +20,13 @@ import argparse
 import os
 import sys
 
+import torch
+
 from ..data.manifest import config_hash
 from ..data.store import FeatureStore
 from ..distributed import relay
 from ..errors import is_user_error, load_json, one_line
-from ..preflight import check_local_path, check_store_trainable, check_writable_dir
+from ..preflight import check_flex_backend_on_cpu, check_local_path, check_store_trainable, check_writable_dir
 from .checkpoints import check_resume_config, check_warm_start
 from .data import check_store_path
 from .options import PreparedRun, prepare_run
@@ -81,22 +83,15 @@ def _draft_config_dict(path: str) -> dict | None:
     return load_json(src, "model.draft_model_config")
 
 
-def check_cpu_backend(backend: str) -> None:
-    """FlexAttention has no backward on the CPU: a run without a GPU says so before any worker starts."""
-    import torch
-
-    if backend == "flex_attention" and not torch.cuda.is_available():
-        raise ValueError(
-            "training.attention_backend=flex_attention: FlexAttention trains on GPUs only (no backward on the "
-            "CPU) and this machine has none (it is SpecForge's default); allowed here: sdpa or eager"
-        )
-
-
 def preflight(prepared: PreparedRun) -> None:
     """Cheap cross-checks in the launching process, so a bad store / config / checkpoint / output directory
     fails before any worker starts (specforge_csbp/preflight.py holds the shared checks)."""
     cfg = prepared.config
-    check_cpu_backend(cfg.training.attention_backend)
+    if not torch.cuda.is_available():  # SpecForge's default backend is flex_attention
+        check_flex_backend_on_cpu(
+            "training.attention_backend", cfg.training.attention_backend, "flex_attention",
+            where="this machine has none (it is SpecForge's default)", allowed="sdpa or eager",
+        )  # fmt: skip
     check_writable_dir(cfg.output_dir, "output_dir")
     for field, value in (("model.target_model_path", cfg.model.target_model_path),
                          ("model.draft_model_config", cfg.model.draft_model_config),

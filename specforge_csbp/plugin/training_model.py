@@ -198,7 +198,7 @@ class CSBPDrafterTrainingModel(nn.Module):
         (manifest lengths capped at max_len) stay within AHEAD_TOKENS."""
         out, tokens = [], 0
         for index in indices:
-            tokens += min(self.store.manifest.samples[index].length, self.max_len)
+            tokens += self._tokens(self.store, [index])
             if out and tokens > AHEAD_TOKENS:
                 break
             out.append(index)
