@@ -7,10 +7,14 @@ skips work whose output is already there (so a stage cut by a time limit is run 
     train     `python -m specforge_csbp train --csbp` twice under one budget:
                   long:  batch 1 x long documents,  A anchors each
                   short: batch r x short windows,   A / r anchors each   (r = long / short length)
-              same tokens, steps, supervised tokens and anchors per token; only the context length differs
-                                                                     -> RUN/output-long/, RUN/output-short/
-    eval      `specforge-csbp eval` of both drafters on held-out long prompts cut inside far repeats, tau per
+              same tokens, steps, supervised tokens and anchors per token; only the context length differs;
+              each drafter is then exported as SGLang serves it       -> RUN/output-{long,short}/ (checkpoints),
+                                                                        RUN/drafter-{long,short}/ (exports)
+    eval      `specforge-csbp eval` of both exports on held-out long prompts cut inside far repeats, tau per
               context-position bucket (--bucket-edges)               -> RUN/eval-long.json, RUN/eval-short.json
+
+A stage needs only the files named above: eval runs from the target and the two exports (a few MB each), so a
+fresh machine continues the study without the stores.
     report    records (workload "longctx", bench/records.py), one plot with both curves and the target's
               accuracy by distance, the two result tables            -> RUN/records.jsonl, RUN/long_context.png,
                                                                         RUN/long_context_tables.md
@@ -26,6 +30,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, replace
 
 from ...bench.records import BenchRecord
@@ -37,6 +42,7 @@ from .target import HELD_OUT_BASE, TargetScale, accuracy_by_distance, train_targ
 __all__ = ["SCALES", "STAGES", "Scale", "run_stage"]
 
 K = 1024
+_START = time.monotonic()  # log lines carry the seconds since this stage started: which step costs what
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,7 @@ def doc_spec(scale: Scale, length: int, seed: int):
 
 
 def _log(run: str, line: str) -> None:
+    line = f"[{time.monotonic() - _START:6.0f} s] {line}"
     print(line, flush=True)
     with open(os.path.join(run, "study.log"), "a") as f:
         f.write(line + "\n")
@@ -118,6 +125,7 @@ def _call(run: str, argv: list[str], env: dict | None = None, *, in_process: boo
     transformers); training always gets its own process (SpecForge's launcher owns the process group)."""
     cmd = shlex.join(argv)
     _log(run, f"$ {cmd}")
+    t0 = time.monotonic()
     if in_process:
         rc = cli_main(argv[3:])
     else:
@@ -125,6 +133,7 @@ def _call(run: str, argv: list[str], env: dict | None = None, *, in_process: boo
         rc = subprocess.run([sys.executable, *argv[1:]], env=full).returncode
     if rc != 0:
         raise SystemExit(f"long-context study: `{cmd}` exited with status {rc}")
+    _log(run, f"  done in {time.monotonic() - t0:.0f} s: {argv[3]}")
     return cmd
 
 
@@ -204,6 +213,9 @@ def stage_capture(run: str, scale: Scale, seed: int) -> None:
               f"{scale.short_len}, {len(prompts)} held-out prompts")  # fmt: skip
     for kind, length in (("long", scale.long_len), ("short", scale.short_len)):
         store = os.path.join(run, f"store-{kind}")
+        if _exported(run, kind):
+            _log(run, f"capture: {_export_dir(run, kind)} is trained and exported; {store} not needed")
+            continue
         if os.path.isfile(os.path.join(store, "manifest.json")) and os.path.isfile(os.path.join(store, "DONE")):
             _log(run, f"capture: {store} exists; skipped")
             continue
@@ -243,13 +255,24 @@ def _trained(out: str) -> bool:
     return os.path.isfile(os.path.join(out, "DONE"))
 
 
+def _export_dir(run: str, kind: str) -> str:
+    return os.path.join(run, f"drafter-{kind}")
+
+
+def _exported(run: str, kind: str) -> bool:
+    return os.path.isfile(os.path.join(_export_dir(run, kind), "model.safetensors"))
+
+
 def stage_train(run: str, scale: Scale, seed: int) -> None:
     import yaml
 
     for kind in ("short", "long"):
         out = os.path.join(run, f"output-{kind}")
+        if _exported(run, kind):
+            _log(run, f"train: {_export_dir(run, kind)} exists; skipped")
+            continue
         if _trained(out):
-            _log(run, f"train: {out} exists; skipped")
+            _export(run, kind)
             continue
         cfg_path = os.path.join(run, f"{kind}.yaml")
         with open(cfg_path, "w") as f:
@@ -261,6 +284,14 @@ def stage_train(run: str, scale: Scale, seed: int) -> None:
         argv = ["python", "-m", "specforge_csbp", "train", "--csbp", "-c", cfg_path]
         _note_command(run, f"train-{kind}", _call(run, argv, env={"PYTHONWARNINGS": "ignore::FutureWarning"}))
         open(os.path.join(out, "DONE"), "w").close()
+        _export(run, kind)
+
+
+def _export(run: str, kind: str) -> None:
+    """The trained drafter as SGLang loads it (export checks SGLang's loader contract): what eval measures."""
+    argv = ["python", "-m", "specforge_csbp", "export", "--to", "sglang", os.path.join(run, f"output-{kind}"),
+            _export_dir(run, kind), "--target", os.path.join(run, "target"), "--overwrite"]  # fmt: skip
+    _note_command(run, f"export-{kind}", _call(run, argv, in_process=True))
 
 
 def stage_eval(run: str, scale: Scale, seed: int) -> None:
@@ -269,7 +300,7 @@ def stage_eval(run: str, scale: Scale, seed: int) -> None:
         if os.path.isfile(out):
             _log(run, f"eval: {out} exists; skipped")
             continue
-        argv = ["python", "-m", "specforge_csbp", "eval", "--drafter", os.path.join(run, f"output-{kind}"),
+        argv = ["python", "-m", "specforge_csbp", "eval", "--drafter", _export_dir(run, kind),
                 "--target", os.path.join(run, "target"), "--prompts", os.path.join(run, "data", "prompts.jsonl"),
                 "--max-new-tokens", str(scale.max_new_tokens), "--device", scale.device, "--dtype", scale.dtype,
                 "--ignore-eos", "--bucket-edges", ",".join(map(str, scale.bucket_edges)), "--out", out,
