@@ -97,7 +97,7 @@ def _scales() -> dict[str, Scale]:
                            lr=1.5e-3, warmup=100, dense_steps=2000),
         long_len=65536, short_len=4096, train_docs=48, anchors_long=2048, epochs=8, block_size=8,
         target_layer_ids=(1, 3, 4), drafter_layers=2, nproc=1, cp_size=1, device="cuda", dtype="bfloat16",
-        attention_backend="flex_attention", eval_docs=8, cuts_per_doc=8, max_new_tokens=48,
+        attention_backend="flex_attention", eval_docs=2, cuts_per_doc=8, max_new_tokens=48,
         bucket_edges=(0, 4 * K, 8 * K, 16 * K, 32 * K), distance_edges=(0, 256, 1 * K, 4 * K, 16 * K),
         accuracy_docs=8, lr=1e-3, min_distance=256, target_minutes=9.0,
     )  # fmt: skip
