@@ -34,6 +34,10 @@ STEP_LINE = re.compile(
 )
 
 
+#: a line naming an error: `SomeError: ...`, `StepOutOfMemory: ...`, argparse's `...: error: ...`, a timeout
+ERROR_LINE = re.compile(r"(Error|Exception|OutOfMemory)\w*:|\berror:|^timeout:")
+
+
 def parse_steps(text: str) -> list[dict]:
     """The trainer's step lines (training/metrics.format_step) as dicts."""
     steps = []
@@ -57,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians (compiles)")
     p.add_argument("--timeout", type=int, default=500, help="seconds for the run")
     p.add_argument("--out", required=True, help="records file (JSON lines, appended)")
+    p.add_argument("--log", default=None,
+                   help="the trainer's whole output (default: beside --out, named after the recipe)")
     args = p.parse_args(argv)
     if args.steps <= args.warmup:
         p.error(f"--steps must be > --warmup; got {args.steps} and {args.warmup}")
@@ -65,15 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     recipe = load_recipe(BDLMRecipe, args.recipe, overrides)
     cmd = [sys.executable, "-m", "specforge_csbp", "train-bdlm", "-c", args.recipe, *overrides]
     print("+", shlex.join(cmd), flush=True)
-    status, text = "ok", ""
+    returncode: int | None = None
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=False)
-        text = done.stdout + done.stderr
-        if done.returncode != 0:
-            status = "oom" if "out of memory" in text.lower() else "error"
+        text, returncode = done.stdout + done.stderr, done.returncode
     except subprocess.TimeoutExpired as err:
-        text, status = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or ""), "error"
+        text = "".join(_text(x) for x in (err.stdout, err.stderr)) + f"\ntimeout: no exit within {args.timeout} s\n"
+    log = args.log or f"{os.path.splitext(args.out)[0]}_{os.path.splitext(os.path.basename(args.recipe))[0]}.log"
+    with open(log, "w") as f:
+        f.write("+ " + shlex.join(cmd) + "\n" + text)
     print(text[-3000:], flush=True)
+    status, error = classify(text, returncode)
     steps = parse_steps(text)
     timed = [s for s in steps if s["step"] > args.warmup]
     world = int(os.environ.get("WORLD_SIZE", 0)) or recipe.parallel.world_size
@@ -91,13 +99,32 @@ def main(argv: list[str] | None = None) -> int:
         "model": (recipe.model.config or {}).get("model_type", recipe.model.pretrained),
         "activation_checkpointing": recipe.train.activation_checkpointing, "steps": steps,
     }  # fmt: skip
-    if record["status"] != "ok":  # the trainer's own last error line, so a failed point says why
-        errors = [line for line in text.splitlines() if "Error" in line or "error:" in line]
-        record["error"] = errors[-1].strip()[:500] if errors else text.strip().splitlines()[-1:]
+    if record["status"] != "ok":
+        record["error"] = error or "no step line: see the log"
+        record["log"] = log
     with open(args.out, "a") as f:
         f.write(json.dumps(record) + "\n")
     print(json.dumps({k: v for k, v in record.items() if k != "steps"}), flush=True)
     return 0 if record["status"] == "ok" else 1
+
+
+def classify(text: str, returncode: int | None) -> tuple[str, str | None]:
+    """(status, the trainer's own error line) of one run: "oom" when it ran out of device memory, "error"
+    for any other failure or a timeout (returncode None), else "ok". The error line is the last one that
+    names an error, skipping the launcher's (torchrun's ChildFailedError and elastic lines), so a failed
+    point says why it failed."""
+    if returncode == 0:
+        return "ok", None
+    low = text.lower()
+    status = "oom" if ("out of memory" in low or "out of device memory" in low) else "error"
+    lines = [ln.strip() for ln in text.splitlines()]
+    named = [ln for ln in lines if ERROR_LINE.search(ln) and "ChildFailedError" not in ln and "elastic" not in ln]
+    error = (named or [ln for ln in lines if ln])[-1:] if lines else []
+    return status, (error[0][:500] if error else None)
+
+
+def _text(x) -> str:
+    return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
 
 
 def _device() -> str:
