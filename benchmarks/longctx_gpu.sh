@@ -2,8 +2,8 @@
 # The long-context study on one H200 (docs/long_context.md), in parts that each fit a 10-minute call.
 # After `source benchmarks/gpu_env.sh` (carried wheels: specforge 0.2.0 + pydantic for the train stage):
 #   bash benchmarks/longctx_gpu.sh 1     # target: trains up to --target-minutes (9), resumable; repeat until done
-#   bash benchmarks/longctx_gpu.sh 2     # capture both stores (~7 GiB each, under RUN) + train both drafters
-#   bash benchmarks/longctx_gpu.sh 3     # eval both drafters on held-out 64K prompts + records + plot
+#   bash benchmarks/longctx_gpu.sh 2     # capture both stores (~7 GiB each, under RUN) + train and export the drafters
+#   bash benchmarks/longctx_gpu.sh 3     # eval every drafter on held-out 64K prompts + records + plot
 #   bash benchmarks/longctx_gpu.sh all   # 1, 2, 3 in order (each skips what is done: rerun it after a time limit)
 #   bash benchmarks/longctx_gpu.sh collect  # only copy the small outputs to $OUT/longctx/ (after a cut call)
 # A finished target also comes back as $OUT/longctx/target.tar.part-* (15 MiB pieces): to continue on a fresh
@@ -31,5 +31,5 @@ esac
 if [ -f "$RUN/target/DONE" ] && ! ls "$OUT"/longctx/target.tar.part-* >/dev/null 2>&1; then
   tar cf - -C "$RUN" target | split -b 15M - "$OUT/longctx/target.tar.part-"
 fi
-cp "$RUN"/{accuracy.json,eval-short.json,eval-long.json,long_context.png,long_context_tables.md,study.log,commands.json} "$OUT/longctx/" 2>/dev/null || true
+cp "$RUN"/{accuracy.json,long_context.png,long_context_tables.md,study.log,commands.json} "$RUN"/eval-*.json "$OUT/longctx/" 2>/dev/null || true
 exit $rc

@@ -1,8 +1,9 @@
 """The long-context study (docs/long_context.md): its documents, and its CPU miniature end to end.
 
 The miniature runs every stage of scripts/long_context_study.py at --scale cpu (a 3-layer target, 256- vs
-2048-token drafters, a few steps) and asserts the mechanics only: both drafters train under one budget, eval
-writes tau per context-position bucket for both, the report writes records and the plot. Never the outcome.
+2048-token drafters and the two that start from the 256-token one, a few steps) and asserts the mechanics
+only: every drafter trains under one budget, eval writes tau per context-position bucket for each, the report
+writes records and the plot. Never the outcome.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import yaml
 from specforge_csbp.bench.records import load_records
 from specforge_csbp.eval.metrics import parse_bucket_edges
 from specforge_csbp.studies.long_context.documents import ASK, DocSpec, eval_prompts, make_document
-from specforge_csbp.studies.long_context.study import SCALES
+from specforge_csbp.studies.long_context.study import DRAFTERS, SCALES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,7 +75,14 @@ def test_cpu_miniature_runs_every_stage(tmp_path):
     assert t_s["batch_size"] * scale.short_len == t_l["batch_size"] * scale.long_len
     assert t_s["batch_size"] * t_s["num_anchors"] == t_l["batch_size"] * t_l["num_anchors"]
     assert t_s["num_epochs"] == t_l["num_epochs"]
-    for kind in ("short", "long"):  # both trained: a SpecForge checkpoint with the drafter's weights
+    # the extension: the same budget again, from the short drafter's export, on each store
+    for name, store in (("short-then-short", "short"), ("short-then-long", "long")):
+        cfg = yaml.safe_load((run / f"{name}.yaml").read_text())
+        assert cfg["model"]["draft_checkpoint_path"] == str(run / "drafter-short")
+        assert cfg["data"] == cfgs[store]["data"] and cfg["training"] == cfgs[store]["training"]
+    assert (run / "drafter-short-then-short" / "model.safetensors").read_bytes() != (
+        run / "drafter-short" / "model.safetensors").read_bytes()  # it trained on
+    for kind in (d.name for d in DRAFTERS):  # every one trained: a SpecForge checkpoint with the drafter's weights
         ckpts = list((run / f"output-{kind}").glob("*-latest"))
         assert ckpts, kind
         summary = json.loads((run / f"eval-{kind}.json").read_text())
@@ -84,12 +92,13 @@ def test_cpu_miniature_runs_every_stage(tmp_path):
     records = load_records(run / "records.jsonl")
     taus = [r for r in records if getattr(r, "metric", None) == "tau"]
     assert {r.workload for r in records} == {"longctx"}
-    assert {r.drafter for r in taus} == {"short", "long"}
+    assert {r.drafter for r in taus} == {d.name for d in DRAFTERS}
     assert all("specforge_csbp eval" in r.command and "specforge_csbp train --csbp" in r.train_command for r in taus)
     assert any(getattr(r, "metric", None) == "target_accuracy" for r in records)
     assert (run / "long_context.png").stat().st_size > 0
     tables = (run / "long_context_tables.md").read_text()
-    assert f"trained at {scale.short_len}" in tables and f"trained at {scale.long_len}" in tables
+    assert f"trained at {scale.short_len} tokens" in tables and f"trained at {scale.long_len} tokens" in tables
+    assert f"trained at {scale.short_len}, then at {scale.long_len} tokens" in tables
     # idempotent: a second run of a stage skips what exists
     again = subprocess.run(cmd + ["--stage", "train"], env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "exists; skipped" in again.stdout

@@ -4,14 +4,17 @@ skips work whose output is already there (so a stage cut by a time limit is run 
     target    train the study's target (target.py), resumable     -> RUN/target/, RUN/accuracy.json
     capture   long documents and the same tokens cut into short windows, held-out prompts (jsonl), then
               `specforge-csbp capture` into two feature stores     -> RUN/store-long/, RUN/store-short/
-    train     `python -m specforge_csbp train --csbp` twice under one budget:
+    train     `python -m specforge_csbp train --csbp` under one budget per drafter (DRAFTERS):
                   long:  batch 1 x long documents,  A anchors each
                   short: batch r x short windows,   A / r anchors each   (r = long / short length)
-              same tokens, steps, supervised tokens and anchors per token; only the context length differs;
-              each drafter is then exported as SGLang serves it       -> RUN/output-{long,short}/ (checkpoints),
-                                                                        RUN/drafter-{long,short}/ (exports)
-    eval      `specforge-csbp eval` of both exports on held-out long prompts cut inside far repeats, tau per
-              context-position bucket (--bucket-edges)               -> RUN/eval-long.json, RUN/eval-short.json
+              same tokens, steps, supervised tokens and anchors per token; only the context length differs.
+              With `Scale.extend`, two more start from the short drafter's weights and train the same
+              budget again: short-then-short on the short store, short-then-long on the long one (does
+              more training at long context pay, against the same extra training at short context?).
+              Each drafter is then exported as SGLang serves it       -> RUN/output-NAME/ (checkpoints),
+                                                                        RUN/drafter-NAME/ (exports)
+    eval      `specforge-csbp eval` of every export on held-out long prompts cut inside far repeats, tau per
+              context-position bucket (--bucket-edges)               -> RUN/eval-NAME.json
 
 A stage needs only the files named above: eval runs from the target and the two exports (a few MB each), so a
 fresh machine continues the study without the stores.
@@ -73,6 +76,7 @@ class Scale:
     lr: float = 3e-3
     min_distance: int = 64
     target_minutes: float | None = None
+    extend: bool = True  # also train short-then-short and short-then-long (DRAFTERS)
 
     @property
     def ratio(self) -> int:
@@ -106,6 +110,30 @@ def _scales() -> dict[str, Scale]:
 
 SCALES = _scales()
 STAGES = ("target", "capture", "train", "eval", "report")
+
+
+@dataclass(frozen=True)
+class DrafterRun:
+    """One drafter of the study: the store it trains on and the drafter whose export it starts from."""
+
+    name: str
+    store: str  # "short" | "long"
+    warm_start: str | None = None
+
+    def label(self, scale: Scale) -> str:
+        length = scale.long_len if self.store == "long" else scale.short_len
+        if self.warm_start is None:
+            return f"trained at {length} tokens"
+        return f"trained at {scale.short_len}, then at {length} tokens"
+
+
+#: in training order: a warm start's source comes before it
+DRAFTERS = (DrafterRun("short", "short"), DrafterRun("long", "long"),
+            DrafterRun("short-then-short", "short", "short"), DrafterRun("short-then-long", "long", "short"))  # fmt: skip
+
+
+def drafters(scale: Scale) -> tuple[DrafterRun, ...]:
+    return DRAFTERS if scale.extend else DRAFTERS[:2]
 
 
 def doc_spec(scale: Scale, length: int, seed: int):
@@ -213,8 +241,9 @@ def stage_capture(run: str, scale: Scale, seed: int) -> None:
               f"{scale.short_len}, {len(prompts)} held-out prompts")  # fmt: skip
     for kind, length in (("long", scale.long_len), ("short", scale.short_len)):
         store = os.path.join(run, f"store-{kind}")
-        if _exported(run, kind):
-            _log(run, f"capture: {_export_dir(run, kind)} is trained and exported; {store} not needed")
+        users = [d.name for d in drafters(scale) if d.store == kind]
+        if all(_exported(run, name) for name in users):
+            _log(run, f"capture: {', '.join(users)} trained and exported; {store} not needed")
             continue
         if os.path.isfile(os.path.join(store, "manifest.json")) and os.path.isfile(os.path.join(store, "DONE")):
             _log(run, f"capture: {store} exists; skipped")
@@ -229,14 +258,19 @@ def stage_capture(run: str, scale: Scale, seed: int) -> None:
         open(os.path.join(store, "DONE"), "w").close()
 
 
-def train_config(run: str, scale: Scale, kind: str) -> dict:
-    """The SpecForge run config of one drafter: same steps, tokens and anchors per token for both kinds."""
-    long = kind == "long"
+def train_config(run: str, scale: Scale, name: str) -> dict:
+    """The SpecForge run config of one drafter (DRAFTERS): the same steps, tokens and anchors per token for
+    every drafter; a warm start loads the weights (only) of its source's export."""
+    d = next(d for d in DRAFTERS if d.name == name)
+    long = d.store == "long"
+    model = {"target_model_path": os.path.join(run, "target"),
+             "draft_model_config": os.path.join(run, "drafter.json"),
+             "torch_dtype": "float32" if scale.device == "cpu" else "bfloat16"}  # fmt: skip
+    if d.warm_start is not None:
+        model["draft_checkpoint_path"] = _export_dir(run, d.warm_start)
     return {
-        "model": {"target_model_path": os.path.join(run, "target"),
-                  "draft_model_config": os.path.join(run, "drafter.json"),
-                  "torch_dtype": "float32" if scale.device == "cpu" else "bfloat16"},
-        "data": {"hidden_states_path": os.path.join(run, f"store-{kind}"),
+        "model": model,
+        "data": {"hidden_states_path": os.path.join(run, f"store-{d.store}"),
                  "max_length": scale.long_len if long else scale.short_len},
         "training": {"strategy": "dflash", "fsdp_sharding": "NO_SHARD", "attention_backend": scale.attention_backend,
                      "batch_size": 1 if long else scale.ratio, "num_epochs": scale.epochs,
@@ -245,8 +279,8 @@ def train_config(run: str, scale: Scale, kind: str) -> dict:
                      "loss_decay_gamma": 4.0 if scale.block_size <= 8 else 7.0, "log_interval": 4,
                      "save_interval": 0, "seed": 0},
         "deployment": {"trainer": {"nproc_per_node": scale.nproc}},
-        "run_id": f"longctx-{scale.name}-{kind}",
-        "output_dir": os.path.join(run, f"output-{kind}"),
+        "run_id": f"longctx-{scale.name}-{name}",
+        "output_dir": os.path.join(run, f"output-{name}"),
         "csbp": {"cp_size": scale.cp_size},
     }  # fmt: skip
 
@@ -266,7 +300,7 @@ def _exported(run: str, kind: str) -> bool:
 def stage_train(run: str, scale: Scale, seed: int) -> None:
     import yaml
 
-    for kind in ("short", "long"):
+    for kind in (d.name for d in drafters(scale)):
         out = os.path.join(run, f"output-{kind}")
         if _exported(run, kind):
             _log(run, f"train: {_export_dir(run, kind)} exists; skipped")
@@ -295,7 +329,7 @@ def _export(run: str, kind: str) -> None:
 
 
 def stage_eval(run: str, scale: Scale, seed: int) -> None:
-    for kind in ("short", "long"):
+    for kind in (d.name for d in drafters(scale)):
         out = os.path.join(run, f"eval-{kind}.json")
         if os.path.isfile(out):
             _log(run, f"eval: {out} exists; skipped")
@@ -322,12 +356,13 @@ def study_records(run: str, scale: Scale, device: str) -> list[dict]:
     date = datetime.date.today().isoformat()
     mode = "csbp" if scale.cp_size > 1 else "dp"
     records = []
-    for kind in ("short", "long"):
+    for d in drafters(scale):
+        kind = d.name
         path = os.path.join(run, f"eval-{kind}.json")
-        if not os.path.isfile(path):  # the drafters are not evaluated yet: the target's records alone
+        if not os.path.isfile(path):  # not evaluated yet: the other records alone
             continue
         summary = json.load(open(path))
-        train_len = scale.long_len if kind == "long" else scale.short_len
+        train_len = scale.long_len if d.store == "long" else scale.short_len
         for b in summary["buckets"]:
             records.append(BenchRecord(
                 workload="longctx", mode=mode, world_size=scale.nproc, context_len=train_len,
@@ -336,6 +371,7 @@ def study_records(run: str, scale: Scale, device: str) -> list[dict]:
                 bucket_start=b["start"], bucket_end=b["end"], tau=b["tau"], verify_steps=b["verify_steps"],
                 tau_overall=summary["tau"], train_command=cmds.get(f"train-{kind}", ""),
                 eval_prompts=summary["num_prompts"], max_context=summary["max_context"],
+                warm_start=d.warm_start, label=d.label(scale),
             ).model_dump())  # fmt: skip
     acc_path = os.path.join(run, "accuracy.json")
     if os.path.isfile(acc_path):
@@ -355,14 +391,15 @@ def plot_study(records: list[dict], path: str) -> None:
     """Left: tau per context-position bucket, one line per drafter. Right: the target's accuracy by distance."""
     plt = pyplot()
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for kind, color in (("short", "tab:orange"), ("long", "tab:blue")):
+    colors = {"short": "tab:orange", "long": "tab:blue", "short-then-short": "tab:red",
+              "short-then-long": "tab:green"}  # fmt: skip
+    for kind in _drafter_names(records):
         rows = [r for r in records if r.get("metric") == "tau" and r["drafter"] == kind and r["tau"] is not None]
         if not rows:
             continue
         top = max(r["max_context"] for r in rows)
         xs = [(r["bucket_start"] + (r["bucket_end"] if r["bucket_end"] is not None else top)) / 2 for r in rows]
-        ax.plot(xs, [r["tau"] for r in rows], marker="o", color=color,
-                label=f"trained at {rows[0]['train_len']} tokens")  # fmt: skip
+        ax.plot(xs, [r["tau"] for r in rows], marker="o", color=colors.get(kind), label=_label(rows[0]))
     ax.set_xlabel("context position of the draft block (bucket middle)")
     ax.set_ylabel("tau (tokens per verify step)")
     ax.set_title("drafter acceptance by context position")
@@ -387,6 +424,16 @@ def plot_study(records: list[dict], path: str) -> None:
     save_figure_atomic(fig, path)
 
 
+def _drafter_names(records: list[dict]) -> list[str]:
+    """The drafters of tau records, in DRAFTERS order."""
+    present = {r["drafter"] for r in records if r.get("metric") == "tau"}
+    return [d.name for d in DRAFTERS if d.name in present]
+
+
+def _label(record: dict) -> str:
+    return record.get("label") or f"trained at {record['train_len']} tokens"
+
+
 def _span(start: int, end: int | None) -> str:
     return f"{start}+" if end is None else f"{start}-{end}"
 
@@ -403,13 +450,14 @@ def tables_markdown(records: list[dict]) -> str:
     by_bucket: dict[tuple, dict] = {}
     for r in taus:
         by_bucket.setdefault((r["bucket_start"], r["bucket_end"]), {})[r["drafter"]] = r
-    lens = {r["drafter"]: r["train_len"] for r in taus}
-    lines += ["", f"| context positions | tau, trained at {lens.get('short')} | tau, trained at {lens.get('long')} "
-              "| verify steps (short / long) |", "|---|---|---|---|"]  # fmt: skip
+    names = _drafter_names(taus)
+    labels = {r["drafter"]: _label(r) for r in taus}
+    lines += ["", "| context positions | " + " | ".join(f"tau, {labels[k]}" for k in names)
+              + f" | verify steps ({' / '.join(names)}) |", "|---" * (len(names) + 2) + "|"]  # fmt: skip
     for (start, end), row in sorted(by_bucket.items()):
-        cells = ["n/a" if row.get(k, {}).get("tau") is None else f"{row[k]['tau']:.2f}" for k in ("short", "long")]
-        steps = " / ".join(str(row.get(k, {}).get("verify_steps", 0)) for k in ("short", "long"))
-        lines.append(f"| {_span(start, end)} | {cells[0]} | {cells[1]} | {steps} |")
+        cells = ["n/a" if row.get(k, {}).get("tau") is None else f"{row[k]['tau']:.2f}" for k in names]
+        steps = " / ".join(str(row.get(k, {}).get("verify_steps", 0)) for k in names)
+        lines.append(f"| {_span(start, end)} | " + " | ".join(cells) + f" | {steps} |")
     return "\n".join(lines) + "\n"
 
 
