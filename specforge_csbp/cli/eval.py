@@ -18,14 +18,12 @@ import os
 
 from ..outputs import write_json_atomic
 
+from ..eval.choices import DEVICES, DTYPES
+
 __all__ = ["register", "run"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    # lazy: CLI start-up
-    from ..eval.load import DTYPES
-    from ..eval.run import DEVICES
-
     p = sub.add_parser(
         "eval", help="acceptance length (tau) of a drafter against its target (greedy speculative decoding)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import argparse
 
+from ..plugin.arguments import add_train_arguments
+
 __all__ = ["register"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    # lazy: CLI start-up
-    from ..plugin.launch import add_train_arguments
-
     p = sub.add_parser(
         "train", help="train a DFlash/DFlash2 drafter through SpecForge (CSBP with --csbp)", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,

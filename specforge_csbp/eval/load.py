@@ -15,6 +15,7 @@ import torch
 from ..data.capture import check_target_layer_ids, load_target
 from ..export.checkpoint import load_checkpoint
 from ..models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel
+from .choices import DTYPES
 
 __all__ = [
     "DTYPES",
@@ -26,7 +27,6 @@ __all__ = [
     "resolve_dtype",
 ]
 
-DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> str:

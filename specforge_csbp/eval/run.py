@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..outputs import pyplot, save_figure_atomic
+from .choices import DEVICES
 from .drafter import DraftContext
 from .load import (
     check_pair,
@@ -29,7 +30,6 @@ from .target import TargetRunner
 
 __all__ = ["EvalOptions", "evaluate", "plot_tau", "resolve_device", "run_prompts", "summary_line"]
 
-DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass

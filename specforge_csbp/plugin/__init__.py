@@ -3,6 +3,7 @@
     _hook.py            .pth start-up hook: wraps `specforge.cli.main` when (and only when) it is imported
     dispatch.py         routes a `specforge` command line to the CSBP launcher or to SpecForge, unchanged
     options.py          SpecForge Config + the plugin's `csbp:` section, flags, one-line errors
+    arguments.py        the `train` command's arguments (no torch: the CLI parser imports them alone)
     launch.py           `train`: registry, SpecForge launch plan with this package's workers, worker lifecycle
     groups.py           CSBP process groups (dp x cp), created right after SpecForge's init_distributed
     registry.py         AlgorithmSpec + providers (make_registration): dflash-csbp, dflash2-csbp, dflash2

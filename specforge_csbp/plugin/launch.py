@@ -27,6 +27,7 @@ from ..data.store import FeatureStore
 from ..distributed import relay
 from ..errors import is_user_error, load_json, one_line
 from ..preflight import check_flex_backend_on_cpu, check_local_path, check_store_trainable, check_writable_dir
+from .arguments import add_train_arguments
 from .checkpoints import check_resume_config, check_warm_start
 from .data import check_store_path
 from .options import PreparedRun, prepare_run
@@ -36,36 +37,6 @@ __all__ = ["TORCHRUN_PREFIX", "WORKER_PREFIX", "add_train_arguments", "preflight
 
 WORKER_PREFIX = (sys.executable, "-m", "specforge_csbp")
 TORCHRUN_PREFIX = (sys.executable, "-m", "torch.distributed.run", "--no-python")
-
-
-def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "-c", "--config", required=True, help="SpecForge YAML/JSON run config (may hold a csbp: section)"
-    )
-    p.add_argument(
-        "--csbp", action="store_true", help="run training.strategy dflash/dflash2 as dflash-csbp/dflash2-csbp"
-    )
-    p.add_argument(
-        "--cp-size",
-        type=int,
-        default=None,
-        metavar="N",
-        help="ranks sharing one sample's context (default: all)",
-    )
-    p.add_argument(
-        "--dp-replicas",
-        type=int,
-        default=None,
-        metavar="N",
-        help="data-parallel replicas (default: world / cp)",
-    )
-    p.add_argument("--role", choices=("auto", "all", "producer", "consumer", "both"), default="auto",
-                   help="SpecForge launch role (CSBP strategies are offline: auto = all)")  # fmt: skip
-    p.add_argument("--node-rank", type=int, default=None, help="node rank of an explicit multi-node launch")
-    p.add_argument(
-        "--plan", action="store_true", help="print the resolved layout and process plan, start nothing"
-    )
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. training.max_steps=10 csbp.mode=cp")
 
 
 def train_main(argv: list[str], *, prog: str = "specforge-csbp train") -> int:
