@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..outputs import pyplot, save_figure_atomic
 from .choices import DEVICES
@@ -28,7 +29,8 @@ from .loop import SequenceResult, speculative_generate
 from .metrics import BUCKET_EDGES, summarize
 from .target import TargetRunner
 
-__all__ = ["EvalOptions", "evaluate", "plot_tau", "resolve_device", "run_prompts", "summary_line"]
+__all__ = ["SHAPE_STABLE_BACKENDS", "EvalOptions", "evaluate", "plot_tau", "resolve_device", "run_prompts",
+           "shape_stable_sdpa", "summary_line"]
 
 
 
@@ -80,11 +82,31 @@ def run_prompts(
     proposer_factory=None,
 ) -> list[SequenceResult]:
     """The loop over `prompts` with a fresh draft context per prompt. `proposer_factory(capacity)` replaces
-    the drafter's context (tests: an oracle)."""
-    from tqdm.auto import tqdm
-
+    the drafter's context (tests: an oracle). Attention runs on shape-stable kernels (shape_stable_sdpa)."""
     device = next(target.parameters()).device
     runner = TargetRunner(target, drafter.target_layer_ids if drafter is not None else [])
+    with shape_stable_sdpa():
+        return _run_prompts(runner, drafter, target, prompts, max_new_tokens, device=device,
+                            prefill_chunk=prefill_chunk, stop_ids=stop_ids, progress=progress,
+                            proposer_factory=proposer_factory)  # fmt: skip
+
+
+#: SDPA backends for eval, cuDNN left out: cuDNN's attention builds an execution graph for every new shape
+#: (cached per process), and every verify step has a new key length; a first eval of a process was 3x slower
+#: per verify step than a second one over the same lengths (docs/eval.md). Flash, memory-efficient and math
+#: kernels take any length without a build.
+SHAPE_STABLE_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+def shape_stable_sdpa():
+    """A context in which scaled_dot_product_attention (the target's and the drafter's) never picks cuDNN."""
+    return sdpa_kernel(list(SHAPE_STABLE_BACKENDS))
+
+
+def _run_prompts(runner, drafter, target, prompts, max_new_tokens, *, device, prefill_chunk, stop_ids, progress,
+                 proposer_factory) -> list[SequenceResult]:  # fmt: skip
+    from tqdm.auto import tqdm
+
     results: list[SequenceResult] = []
     bar = tqdm(total=len(prompts) * max_new_tokens, unit="tok", desc="eval", disable=not progress,
                dynamic_ncols=True)  # fmt: skip

@@ -168,3 +168,22 @@ def test_buckets_split_steps_by_context_position():
     assert summary["accept_hist"] == [1, 1, 1, 1]
     assert summary["per_slot_accept"] == [0.75, 0.5, 0.25]
     assert summary["spec_accept_length"] == 9 / 4
+
+
+def test_eval_runs_attention_on_shape_stable_kernels(target):
+    """Inside run_prompts SDPA may not pick cuDNN (a graph build per new key length); outside, the global
+    setting is as it was."""
+    seen: list[bool] = []
+
+    class Watching(Oracle):
+        def propose(self, last_token):
+            seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+            return super().propose(last_token)
+
+    prompt = _prompts(1)[0]
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    drafter = random_drafter(False)  # its target layers feed the runner; the oracle proposes
+    (result,) = run_prompts(drafter, target, [prompt], 9, proposer_factory=lambda capacity: Watching(target, prompt))
+    assert seen and not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    assert result.tokens == greedy_reference(target, prompt, 9)
