@@ -124,3 +124,12 @@ def test_the_former_qwen3_constant_underestimates_gemma3(monkeypatch):
     former = layer_activation_bytes_per_row(shape, 2) + 10 * shape.hidden
     assert former < (1 - TOL) * min(measured)
     assert (shape.norm_kind, shape.hidden_norms, shape.qk_norm) == ("gemma", 4, True)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "qwen3_moe"])
+def test_trainable_params_count_every_expert(name):
+    """The states term's parameter count equals the model's weights but its norms (MoE: every expert of
+    every sparse layer and the router, not the dense MLP width the config also names)."""
+    model = BDLMModel.from_config(TINY_CONFIGS[name], dtype=torch.float32, block_size=4, backend="flex")
+    weights = sum(p.numel() for n, p in model.lm.named_parameters() if "norm" not in n)
+    assert load_shape(model.config.to_dict()).trainable_params == weights  # as auto reads it

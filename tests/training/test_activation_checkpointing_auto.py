@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 import yaml
 
 from specforge_csbp.planner.memory import decoder_layer_bytes_per_row, layer_activation_bytes_per_row
