@@ -28,6 +28,7 @@ __all__ = [
     "MemoryBreakdown",
     "attention_layer_peak_bytes",
     "bdlm_step_memory",
+    "decoder_layer_bytes_per_row",
     "drafter_step_memory",
     "layer_activation_bytes_per_row",
     "loss_chunk_bytes",
@@ -98,8 +99,57 @@ def attention_layer_peak_bytes(
     return max(fwd_l, fwd_r, merge, bwd_r, bwd_l)
 
 
+def _norm_bytes(shape: ModelShape, width: int, in_bytes: int) -> int:
+    """What one transformers RMSNorm over `width` saves per row (it computes in fp32 whatever its input):
+    the fp32 input (a copy unless the input is fp32), the fp32 1/rms, and the normalised value its weight
+    multiplies - cast back to the input dtype ("llama": Llama, Qwen) or kept in fp32 ("gemma": (1 + w))."""
+    return 4 * width + 4 + (4 if shape.norm_kind == "gemma" else in_bytes) * width
+
+
+def decoder_layer_bytes_per_row(
+    shape: ModelShape, layer: int = 0, *, gemm_bytes: int, residual_bytes: int, gqa_packed: bool = False
+) -> int:
+    """Bytes one token row of a transformers decoder layer saves for backward (no checkpointing), the
+    attention kernel counted as FlexAttention saves it (q, k, v, out in the GEMM dtype, fp32 log-sum-exp).
+
+    gemm_bytes: the projections' output dtype (the autocast dtype, else the weights'); residual_bytes: the
+    hidden stream's (the weights' dtype: fp32 under autocast). The layer, per row (h hidden, H / Hk heads of
+    D, I MLP width; e = gemm_bytes, r = residual_bytes; norm(w) = `_norm_bytes`):
+
+        hidden norms   2 x norm(h) on the layer input and the residual sum (Llama, Qwen); Gemma 3: 4, the
+                       post-attention / post-MLP ones on the e-byte sublayer outputs
+        GEMM inputs    under autocast (r != e) every projection casts its r-byte input itself:
+                       q, k, v, gate, up (MoE: router) -> 5 e h; else one e h per norm output: 2 e h
+        q/k norms      norm(D) per head of q and k (Qwen3, Gemma 3) on the e-byte projections
+        attention      q, k, v, out (e) and lse (fp32): e (2 H + 2 Hk) D + 4 H; GQA packing (flex, H > Hk;
+                       attention/packing.py) copies out back to [B, H, N, D] for o_proj: + e H D
+        dense MLP      gate, up, act(gate), act(gate) * up: 4 e I
+        MoE MLP        router softmax (fp32) 4 E, top-k index / weights / sums 32 k + 4 k + 4 + e k, and
+                       the k expert rows in the weights' dtype (transformers' grouped_mm casts to it):
+                       gathered input, gate|up, act, product, output: r k (2 h + 4 I_e)
+
+    The rotary cos / sin are shared by every layer; Gemma's embedding scale saves nothing per row.
+    tests/planner/test_decoder_layer_memory_vs_measured.py measures every supported family's layer with
+    saved-tensor hooks on the CPU under bf16 autocast over fp32 weights and without autocast."""
+    h, hd, H, Hk = shape.hidden, shape.head_dim, shape.heads, shape.kv_heads
+    e, r = gemm_bytes, residual_bytes
+    norms = 2 * _norm_bytes(shape, h, r)
+    if shape.hidden_norms == 4:  # Gemma 3: post-attention and post-feedforward norms on sublayer outputs
+        norms += 2 * _norm_bytes(shape, h, e)
+    sparse = shape.is_sparse(layer)
+    gemm_in = (4 if sparse else 5) * e * h if r != e else 2 * e * h  # MoE: the experts take the r-byte rows
+    qk = _norm_bytes(shape, H * hd, e) + _norm_bytes(shape, Hk * hd, e) + 4 * (H + Hk) - 8 if shape.qk_norm else 0
+    attn = e * (2 * H + 2 * Hk) * hd + 4 * H + (e * H * hd if gqa_packed and H > Hk else 0)
+    if sparse:
+        k, E = shape.experts_per_token, shape.experts
+        mlp = 4 * E + 36 * k + 4 + e * k + r * k * (2 * h + 4 * shape.expert_intermediate)
+    else:
+        mlp = 4 * e * shape.intermediate
+    return norms + gemm_in + qk + attn + mlp
+
+
 def layer_activation_bytes_per_row(shape: ModelShape, elem_bytes: int) -> int:
-    """Bytes one token row keeps for the backward of one decoder layer (no checkpointing): RMSNorm inputs
+    """Bytes one token row keeps for the backward of one DFlash draft layer (no checkpointing): RMSNorm inputs
     and outputs (4h), q/k/v before and after q/k-norm + RoPE and the attention output (3H + 3Hk) D, SwiGLU
     gate, up, act(gate), product (4I); fp32 log-sum-exp per head.
 
@@ -138,21 +188,26 @@ def bdlm_step_memory(
     ce_chunk: int,
     reserved_gib: float,
     residual_bytes: int | None = None,
+    gqa_packed: bool = True,
 ) -> MemoryBreakdown:
     """One rank of a full-BDLM step (SFT / conversion): every layer runs on the rank's 2L rows.
 
     residual_bytes: bytes per element of the residual stream between layers (the checkpointed layer
     inputs) - 4 under autocast with fp32 weights (embeddings, norms and residual adds stay fp32; only the
-    GEMMs run in bf16), else elem_bytes."""
+    GEMMs run in bf16), else elem_bytes. Each layer saves `decoder_layer_bytes_per_row` per row;
+    gqa_packed: count FlexAttention's GQA packing copy (it packs whenever that visits fewer tiles, e.g.
+    every layer of the Gemma-3-1B recipe at 32K; counting it when a layer does not pack is e H D per row
+    over)."""
     rows = views * s.q_rows
-    per_row = layer_activation_bytes_per_row(shape, elem_bytes)
-    kv_row = 2 * shape.kv_heads * shape.head_dim * elem_bytes
     res = residual_bytes or elem_bytes
+    per_layer = [decoder_layer_bytes_per_row(shape, i, gemm_bytes=elem_bytes, residual_bytes=res,
+                                             gqa_packed=gqa_packed) for i in range(shape.layers)]  # fmt: skip
+    kv_row = 2 * shape.kv_heads * shape.head_dim * elem_bytes
     if checkpointing:  # layer inputs kept; one layer's activations live while it is recomputed
-        act = shape.layers * rows * shape.hidden * res + rows * per_row
+        act = shape.layers * rows * shape.hidden * res + rows * max(per_layer)
         buf = views * s.gathered_rows * kv_row * 2  # one layer's gathered K/V + gradient
     else:
-        act = shape.layers * rows * per_row
+        act = rows * sum(per_layer)
         buf = views * s.gathered_rows * kv_row * (shape.layers + 1)  # every layer keeps its buffer
     loss = 2 * min(ce_chunk, max(views * s.noisy_rows, 1)) * shape.vocab * 4
     return MemoryBreakdown(

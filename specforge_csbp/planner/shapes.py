@@ -1,7 +1,9 @@
 """Model shapes for the cost model, read from a Hugging Face `config.json` (Qwen3/Llama style) or a DFlash
 drafter config (SpecForge / SGLang fields: `dflash_config.target_layer_ids`, `layer_types`, `sliding_window`).
 
-Only what the cost model needs: per-layer GEMM widths, attention heads, vocabulary, per-layer windows.
+Only what the cost model needs: per-layer GEMM widths, attention heads, vocabulary, per-layer windows, and
+what the memory model needs to count a decoder layer's saved tensors per family (planner/memory.py
+`decoder_layer_bytes_per_row`): the RMSNorm kind and count, q/k norms, mixture-of-experts routing.
 """
 
 from __future__ import annotations
@@ -12,7 +14,13 @@ from typing import Any
 
 from ..errors import load_json
 
-__all__ = ["ModelShape", "load_shape"]
+__all__ = ["NORM_KINDS", "ModelShape", "load_shape"]
+
+#: RMSNorm kinds: "llama" (Llama / Qwen: fp32 copy, weight times the normalised value cast back to the
+#: input dtype) and "gemma" (Gemma: fp32 copy, the fp32 normalised value times (1 + weight))
+NORM_KINDS = ("llama", "gemma")
+_GEMMA_TYPES = ("gemma3_text", "gemma3", "gemma2")  # four RMSNorms on the hidden stream per layer
+_QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "gemma3")  # RMSNorm on q and k per head
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,13 @@ class ModelShape:
     conv_groups: int = 0  # DFlash2: channel groups of that convolution (hidden / conv_group_size)
     selector_rank: int = 0  # DFlash2: rank of the candidate selector's codebooks (0 = no selector)
     selector_top_k: int = 0  # DFlash2: candidates the selector scores per row
+    norm_kind: str = "llama"  # one of NORM_KINDS
+    hidden_norms: int = 2  # RMSNorms on the hidden stream per decoder layer (Gemma 3: 4)
+    qk_norm: bool = False  # RMSNorm on every q and k head (Qwen3, Gemma 3)
+    experts: int = 0  # MoE: routed experts per sparse layer (0: dense model)
+    experts_per_token: int = 0  # MoE: experts each row is sent to (top-k)
+    expert_intermediate: int = 0  # MoE: one expert's MLP width
+    sparse_layers: tuple[bool, ...] = ()  # MoE: per layer, True where the MLP is the routed experts
 
     # -- FLOPs (multiply-add = 2) and parameters ----------------------------------------------
     @property
@@ -65,13 +80,20 @@ class ModelShape:
         """Forward GEMM FLOPs of one token row through one layer."""
         return 2 * self.layer_params
 
+    def is_sparse(self, layer: int) -> bool:
+        """Is decoder layer `layer`'s MLP the routed experts (MoE)?"""
+        return bool(self.experts) and layer < len(self.sparse_layers) and self.sparse_layers[layer]
+
     @property
     def trainable_params(self) -> int:
         if self.drafter:  # fc (features -> hidden) + draft layers; embeddings and LM head are the target's
             fc = self.features * self.target_hidden * self.hidden
             return fc + self.layers * self.layer_params + self.selector_params
         emb = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-        return emb + self.layers * self.layer_params
+        # MoE: a sparse layer holds every expert (gate, up, down) and the router instead of the dense MLP
+        h, sparse = self.hidden, sum(self.is_sparse(i) for i in range(self.layers))
+        experts = self.experts * 3 * h * self.expert_intermediate + h * self.experts - 3 * h * self.intermediate
+        return emb + self.layers * self.layer_params + sparse * experts
 
     @property
     def frozen_params(self) -> int:
@@ -120,6 +142,15 @@ def load_shape(config: str | os.PathLike | dict[str, Any], *, workload: str | No
     dflash2 = is_drafter and "DFlash2" in archs  # conv + selector fields as SpecForge / SGLang name them
     taps = int(dflash.get("conv_kernel_size") or 0) if dflash2 else 0
     groups = hidden // int(dflash.get("conv_group_size") or hidden) if taps else 0
+    model_type = str(cfg.get("model_type") or "")
+    gemma = model_type in _GEMMA_TYPES
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if experts:  # Qwen2/3-MoE: every decoder_sparse_step-th layer not in mlp_only_layers; Mixtral: every layer
+        step, dense_only = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or ())
+        sparse = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(layers))
+        expert_width = int(cfg.get("moe_intermediate_size") or _get(cfg, "intermediate_size", path))
+    else:
+        sparse, expert_width = (), 0
     return ModelShape(
         name=os.path.splitext(os.path.basename(path))[0], hidden=hidden,
         intermediate=int(_get(cfg, "intermediate_size", path)), layers=layers, heads=heads,
@@ -130,4 +161,8 @@ def load_shape(config: str | os.PathLike | dict[str, Any], *, workload: str | No
         conv_taps=taps, conv_groups=groups,
         selector_rank=int(dflash.get("selector_rank") or 0) if dflash2 else 0,
         selector_top_k=int(dflash.get("selector_top_k") or 0) if dflash2 else 0,
+        norm_kind="gemma" if gemma else "llama", hidden_norms=4 if gemma else 2,
+        qk_norm=model_type in _QK_NORM_TYPES, experts=experts,
+        experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+        expert_intermediate=expert_width, sparse_layers=sparse,
     )  # fmt: skip

@@ -5,11 +5,12 @@ would not fit in the device's memory without.
       (states, every layer's saved activations, gathered K/V,    this rank's rows: the workload's sequence
        the loss chunk)                                           length, block size, objective views x
                                                                  micro batch, the CP plan, the precision
-      + under autocast: the fp32 copies HF's RMSNorms save        AUTOCAST_ROW_BYTES_PER_HIDDEN x hidden per
-        (the planner counts every activation in bf16) and the     row and layer (measured on a Qwen3 layer:
-        bf16 weight copies autocast caches for the step           tests/training/test_activation_checkpointing_auto.py),
-                                                                  2 bytes per parameter
-    + headroom (HEADROOM_GIB + HEADROOM_SHARE of it: the prediction was >= 13% under the one GPU point)
+      (every layer: what its family's decoder layer saves        decoder_layer_bytes_per_row: norms in fp32,
+       per row - measured per family on the CPU,                  GEMM outputs in the autocast dtype, the
+       tests/planner/test_decoder_layer_memory_vs_measured.py)    residual stream in the weights' dtype
+      + under autocast: the bf16 weight copies autocast caches    2 bytes per parameter
+        for the step
+    + headroom (HEADROOM_GIB + HEADROOM_SHARE of it: the GPU points behind it at HEADROOM_SHARE)
     <= memory this process can use (free + what it already holds: the model's weights)
        -> off: no recompute (a third fewer FLOPs than a checkpointed step's)
        else on, for as few layers as fit: each decoder layer left un-checkpointed adds
@@ -35,13 +36,15 @@ __all__ = ["HEADROOM_GIB", "HEADROOM_SHARE", "CheckpointingChoice", "bdlm_peak_g
            "layers_that_fit", "needs_checkpointing", "resolve_checkpointing"]  # fmt: skip
 
 GiB = float(1 << 30)
-#: bytes per row, layer and hidden unit that a Qwen3 decoder layer saves under bf16 autocast with fp32
-#: weights beyond the planner's bf16 count (layer_activation_bytes_per_row): RMSNorm's fp32 input and
-#: normalised copies. Measured with saved-tensor hooks: 13,109 vs 10,512 B per row at hidden 256 (10.1 x h).
-AUTOCAST_ROW_BYTES_PER_HIDDEN = 10
 HEADROOM_GIB = 2.0
-#: the one GPU point: Qwen3-1.7B at 16K without checkpointing ran out of an H200's memory (134.6 GiB
-#: allocated at step 1) where the prediction is 122.8 GiB, i.e. >= 13% under; a quarter covers that
+#: the GPU points on one H200 (benchmarks/results/bdlm_h200_2026-12-01.jsonl) against this rule's
+#: prediction (peak_all + k x per layer) for the setting the former model chose at 139 GiB: Qwen3-1.7B 64K
+#: keeping 2 of 28 layers
+#: 113.2 GiB predicted / 100.8 measured, Qwen3-MoE-3B 32K keeping 7 of 24: 142.0 / 131.5 - 8-12% over
+#: (the rule counts one recomputed layer on top of the kept ones, which never coexist); Gemma-3-1B 32K
+#: keeping 13 of 26 (the former model's choice) ran out at step 1 where this predicts 136.3, >= 2% under;
+#: Qwen3-1.7B 16K without checkpointing ran out (134.6 GiB allocated) at 155.5 predicted. A quarter keeps
+#: the margin for what the model does not count (allocator fragmentation, a backward's working set)
 HEADROOM_SHARE = 0.25
 
 
@@ -93,17 +96,11 @@ def bdlm_peak_gib(workload, model, ctx, *, checkpointing: bool) -> float:
     elem = torch.tensor([], dtype=ctx.autocast_dtype).element_size() if ctx.autocast_dtype else param_bytes
     views = objective.batch_factor * ctx.micro_batch_size
 
-    def autocast_extra(s) -> float:
-        if not ctx.autocast_dtype:
-            return 0.0
-        layers = 1 if checkpointing else shape.layers  # checkpointed: one layer's activations live at a time
-        rows = views * s.q_rows
-        return (layers * rows * AUTOCAST_ROW_BYTES_PER_HIDDEN * shape.hidden + 2 * shape.trainable_params) / GiB
-
+    weight_copies = 2 * shape.trainable_params / GiB if ctx.autocast_dtype else 0.0  # autocast's bf16 cache
     return max(
         bdlm_step_memory(shape, s, views=views, elem_bytes=elem, state_bytes=4.0 * param_bytes,
                          checkpointing=checkpointing, ce_chunk=chunk, reserved_gib=0.0,
-                         residual_bytes=param_bytes if ctx.autocast_dtype else elem).total + autocast_extra(s)
+                         residual_bytes=param_bytes).total + weight_copies
         for s in stats
     )  # fmt: skip
 
@@ -131,6 +128,8 @@ def resolve_checkpointing(workload, model, ctx) -> CheckpointingChoice:
     reason = f"predicted {peak:.1f} GiB without it + headroom {verb} {available:.1f} GiB"
     if on:
         reason += f"; {peak_all:.1f} GiB with every layer checkpointed"
+        if keep:
+            reason += f"; {peak_all + keep * (peak - peak_all) / layers:.1f} GiB as chosen"
     return CheckpointingChoice(on, reason, keep_layers=keep if on else 0, layers=layers)
 
 

@@ -1,5 +1,6 @@
-"""`train.activation_checkpointing: auto`: on exactly when the planner's memory model (plus autocast's fp32
-norm copies, measured here on a Qwen3 layer) says a step would not fit the GPU's memory (mocked) without."""
+"""`train.activation_checkpointing: auto`: on exactly when the planner's memory model (each family's decoder
+layer as tests/planner/test_decoder_layer_memory_vs_measured.py measures it) says a step would not fit the
+GPU's memory (mocked) without."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from specforge_csbp.planner.memory import layer_activation_bytes_per_row
+from specforge_csbp.planner.memory import decoder_layer_bytes_per_row, layer_activation_bytes_per_row
 from specforge_csbp.planner.shapes import load_shape
 from specforge_csbp.training import checkpointing, trainer
 from specforge_csbp.training.checkpointing import (
-    AUTOCAST_ROW_BYTES_PER_HIDDEN,
     HEADROOM_GIB,
     HEADROOM_SHARE,
     bdlm_peak_gib,
@@ -50,35 +51,34 @@ def test_headroom_rule():
     assert needs_checkpointing(100.0, 100.0 * (1 + HEADROOM_SHARE) + HEADROOM_GIB - 0.01)
 
 
-def test_autocast_row_bytes_match_a_measured_qwen3_layer():
-    """Saved-tensor bytes of one Qwen3 decoder layer under bf16 autocast (fp32 weights), score-sized buffers
-    of the CPU attention left out (FlexAttention has none): the planner's count + the autocast term."""
-    from transformers import Qwen3Config
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
+def _gemma3_1b():
+    from transformers import AutoConfig
 
-    h, n = 256, 512
-    cfg = Qwen3Config(hidden_size=h, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                      intermediate_size=768, num_hidden_layers=1, vocab_size=128)  # fmt: skip
-    cfg._attn_implementation = "sdpa"
-    layer, rope = Qwen3DecoderLayer(cfg, 0), Qwen3RotaryEmbedding(cfg)
-    x = torch.randn(1, n, h, requires_grad=True)
-    pos = torch.arange(n)[None]
-    storages: dict[int, int] = {}
+    recipe = yaml.safe_load((ROOT / "benchmarks" / "configs" / "bdlm_gemma3-1b_32k.yaml").read_text())
+    raw = dict(recipe["model"]["config"])
+    return AutoConfig.for_model(raw.pop("model_type"), **raw)
 
-    def pack(t):
-        if t.numel() < n * n:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
 
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        cos, sin = rope(x, pos)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            layer(x, position_embeddings=(cos, sin), attention_mask=None, position_ids=pos)
-    measured = (sum(storages.values()) - x.numel() * 4) / n  # the input is the previous layer's output
-    shape = load_shape({**cfg.to_dict(), "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]})
-    planner = layer_activation_bytes_per_row(shape, 2)
-    assert measured > 1.15 * planner  # the bf16 count alone underestimates autocast
-    assert planner + AUTOCAST_ROW_BYTES_PER_HIDDEN * h == pytest.approx(measured, rel=0.05)
+def test_gemma3_recipe_checkpoints_more_layers_than_the_former_qwen3_constant_did(monkeypatch):
+    """The Gemma-3-1B recipe at 32K on a 139 GiB H200: the former model (the draft layer's bf16 count + 10
+    fp32 bytes per hidden unit) kept 13 of 26 layers and the step ran out of memory; each Gemma layer saves
+    ~45% more per row than that (four fp32 norms, q/k norms), so auto now keeps fewer, and the chosen
+    setting's prediction + headroom fits."""
+    workload, model, ctx = _run(32768)
+    model.config = _gemma3_1b()
+    shape = load_shape(model.config.to_dict())
+    new = decoder_layer_bytes_per_row(shape, 0, gemm_bytes=2, residual_bytes=4, gqa_packed=True)
+    former = layer_activation_bytes_per_row(shape, 2) + 10 * shape.hidden
+    assert new > 1.3 * former
+    peak, peak_all = (bdlm_peak_gib(workload, model, ctx, checkpointing=c) for c in (False, True))
+    keep = layers_that_fit(peak, peak_all, 26, 139.0)
+    assert 0 < keep < 13
+    assert needs_checkpointing(peak_all + 13 * (peak - peak_all) / 26, 139.0)  # the setting that ran out
+    assert not needs_checkpointing(peak_all + keep * (peak - peak_all) / 26, 139.0)
+    _mock_gpu(monkeypatch, free_gib=136.0)
+    line = resolve_checkpointing(workload, model, ctx).line()
+    chosen = peak_all + keep * (peak - peak_all) / 26
+    assert f"on for {26 - keep} of 26 layers" in line and f"{chosen:.1f} GiB as chosen" in line
 
 
 def test_qwen3_1p7b_needs_it_from_16k_on_one_h200():
