@@ -99,7 +99,7 @@ def _spawned(launch, recipe) -> int:
     """Gloo ranks on this machine: a rank's user error or RunFault comes back as a ValueError (cli/main.py
     prints its line); any other failure (a bug's traceback, printed by the rank; a signal; a hang) is one
     line here instead of the RankFailure's traceback. Exit 124 for a hang (as timeout(1)), else 1."""
-    from ..distributed.launch import HANG_EXIT_CODE, RankFailure
+    from ..distributed.launch import HANG_EXIT_CODE, RankFailure  # lazy: CLI start-up
 
     try:
         launch(_rank_main, recipe.parallel, recipe)
