@@ -121,6 +121,7 @@ def run_torchrun(cmd: list[str]) -> int:
     (the failed rank's relayed error) instead of torchrun's ChildFailedError report, and its exit status
     is the failed rank's (128 + N for signal N)."""
     # lazy: CLI start-up
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as torchrun
@@ -143,6 +144,9 @@ def run_torchrun(cmd: list[str]) -> int:
                 line = f"rank {rank} {how} without reporting an error; its output above names it"
             print(f"{PROG}: error: {line}", file=sys.stderr, flush=True)
             return status
+        except SignalException as err:  # Ctrl-C / SIGTERM to this process: the agent stopped the ranks
+            print(f"{PROG}: stopped by {err.sigval.name}; every rank was stopped", file=sys.stderr, flush=True)
+            return 128 + int(err.sigval)
     return 0
 
 

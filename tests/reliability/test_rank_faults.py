@@ -124,3 +124,36 @@ def test_the_oom_line_names_the_rank_and_torchs_allocation():
             "step 5: out of device memory on rank 0 (tried to allocate 2.00 GiB)"
         )
         assert out_of_memory(0, "", None) == "step 1: out of device memory on rank 0"
+
+
+def test_the_advice_names_the_prediction_and_the_recipes_fields(monkeypatch):
+    """On a GPU the line adds the memory model's prediction (here: the 1.7B shape at 16K on a mocked 139 GiB
+    device) and, with checkpointing on for some layers, says how many."""
+    import torch
+
+    from specforge_csbp.training.checkpointing import bdlm_peak_gib
+    from specforge_csbp.training.config import TrainConfig
+    from specforge_csbp.training.trainer import _out_of_memory_advice
+    from tests.training.test_activation_checkpointing_auto import _run
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 139 * 2**30))
+    workload, model, ctx = _run(16384)
+    recipe = {"data": {"max_length": 16384}, "objective": {"ce_chunk_size": 4096}}
+    none, every = (bdlm_peak_gib(workload, model, ctx, checkpointing=c) for c in (False, True))
+    assert _out_of_memory_advice(workload, model, ctx, TrainConfig(), recipe, (False, 0)) == (
+        f"predicted peak {none:.1f} GiB of 139.0 GiB; set train.activation_checkpointing: true (now auto, which "
+        "chose off), lower data.max_length (now 16384) or objective.ce_chunk_size (now 4096), or add GPUs "
+        "(parallel.cp_degree, now 1)"
+    )
+    layers = model.config.num_hidden_layers
+    train = TrainConfig(micro_batch_size=2)  # auto, which checkpointed all but the last 4 layers
+    assert _out_of_memory_advice(workload, model, ctx, train, {}, (True, 4)) == (
+        f"predicted peak {every + 4 * (none - every) / layers:.1f} GiB of 139.0 GiB; set "
+        f"train.activation_checkpointing: true (auto checkpointed {layers - 4} of {layers} layers), lower "
+        "train.micro_batch_size (now 2), or add GPUs (parallel.cp_degree, now 1)"
+    )
+    ctx.device = torch.device("cpu")  # no prediction off the GPU; every layer checkpointed: sizes and GPUs
+    assert _out_of_memory_advice(workload, model, ctx, train, recipe, (True, 0)) == (
+        "lower data.max_length (now 16384), objective.ce_chunk_size (now 4096) or train.micro_batch_size (now 2), "
+        "or add GPUs (parallel.cp_degree, now 1)"
+    )
