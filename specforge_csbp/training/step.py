@@ -125,7 +125,7 @@ def _oom_detail(err: BaseException, device: torch.device | None) -> str:
 
 
 def out_of_memory(step: int, local: str | None, group) -> str:
-    """'step N: out of device memory on rank r (tried to allocate ...)' from every rank's finding (None:
+    """'step N: device out of memory on rank r (tried to allocate ...)' from every rank's finding (None:
     this rank did not run out); all ranks of `group` call it once they agreed that some rank ran out."""
     found: list[str | None] = [local]
     if dist.is_initialized() and dist.get_world_size(group) > 1:
@@ -137,7 +137,7 @@ def out_of_memory(step: int, local: str | None, group) -> str:
     }
     where = "; ".join(f"rank {names[r]}" + (f" ({found[r]})" if found[r] else "") for r in ranks[:4])
     more = f"; {len(ranks) - 4} more rank(s)" if len(ranks) > 4 else ""
-    return f"step {step + 1}: out of device memory on {where}{more}"
+    return f"step {step + 1}: device out of memory on {where}{more}"
 
 
 def first_offender(step: int, local: tuple[int, str] | None, group) -> str:

@@ -32,7 +32,7 @@ SFT = str(ROOT / "examples" / "bdlm_sft_tiny.yaml")
 PROG = "specforge-csbp train-bdlm:"
 RUN = ["parallel.device=cpu", "parallel.world_size=2", "parallel.cp_degree=1", "train.steps=2",
        "train.progress=false", "data.max_length=32", "train.micro_batch_size=1"]  # fmt: skip
-OOM = ("step 1: out of device memory on rank 1 (tried to allocate 2.00 GiB); set train.activation_checkpointing: "
+OOM = ("step 1: device out of memory on rank 1 (tried to allocate 2.00 GiB); set train.activation_checkpointing: "
        "true (now auto, which chose off), lower data.max_length (now 32) or objective.ce_chunk_size (now 4096), "
        "or add GPUs (parallel.cp_degree, now 1)")  # fmt: skip
 NAN = "step 1: non-finite value on rank 1: first offending tensor loss numerator of micro batch 0 (nan)"
@@ -107,11 +107,11 @@ def test_run_faults_are_the_users_and_the_relay_names_the_job_not_a_rank(tmp_pat
     monkeypatch.setenv(relay.ENV, str(tmp_path))
     for rank in ("1", "0"):  # every rank raises the same RunFault; one job-wide line
         monkeypatch.setenv("RANK", rank)
-        relay.record(StepOutOfMemory("step 3: out of device memory on rank 1"))
+        relay.record(StepOutOfMemory("step 3: device out of memory on rank 1"))
     monkeypatch.setenv("RANK", "0")
     relay.record(RuntimeError("Connection closed by peer"))
     assert sorted(os.listdir(tmp_path)) == ["job.txt", "rank0.txt"]
-    assert relay.root_cause(str(tmp_path), 1) == "step 3: out of device memory on rank 1"
+    assert relay.root_cause(str(tmp_path), 1) == "step 3: device out of memory on rank 1"
     (tmp_path / "job.txt").unlink()
     assert relay.root_cause(str(tmp_path), 1) == (
         "rank 0: RuntimeError: Connection closed by peer (unexpected: the rank's traceback is above; exit code 1)"
@@ -119,11 +119,14 @@ def test_run_faults_are_the_users_and_the_relay_names_the_job_not_a_rank(tmp_pat
 
 
 def test_the_oom_line_names_the_rank_and_torchs_allocation():
+    """... and says "out of memory", which the benchmark runners classify as status "oom"."""
+    from specforge_csbp.bench.runner import classify_failure
+
     with one_rank_group():
-        assert out_of_memory(4, "tried to allocate 2.00 GiB", None) == (
-            "step 5: out of device memory on rank 0 (tried to allocate 2.00 GiB)"
-        )
-        assert out_of_memory(0, "", None) == "step 1: out of device memory on rank 0"
+        line = out_of_memory(4, "tried to allocate 2.00 GiB", None)
+        assert line == "step 5: device out of memory on rank 0 (tried to allocate 2.00 GiB)"
+        assert out_of_memory(0, "", None) == "step 1: device out of memory on rank 0"
+    assert classify_failure(1, f"{PROG} error: {line}", False)[0] == "oom"
 
 
 def test_the_advice_names_the_prediction_and_the_recipes_fields(monkeypatch):
