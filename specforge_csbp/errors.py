@@ -9,7 +9,8 @@ into the one line it prints with `one_line`:
     safetensors errors                        `FILE: not a complete safetensors file (...)`
 
 `is_user_error` says which exceptions are the user's (printed as one line, exit 2) and which are bugs
-(tracebacks). The readers are what every entry point uses to read a user's text file: a missing file, a
+(tracebacks); a `RunFault` (out of device memory, a non-finite loss) is the user's too: the recipe or the
+machine changes it, and its message names the ranks and what to change. The readers are what every entry point uses to read a user's text file: a missing file, a
 directory, non-UTF-8 bytes, bad JSON or YAML all become a one-line ValueError naming the field, the file and
 the line:
 
@@ -32,6 +33,7 @@ if TYPE_CHECKING:  # pydantic is imported only where a ValidationError is format
 from .preflight import check_input_file
 
 __all__ = [
+    "RunFault",
     "format_validation_error",
     "is_user_error",
     "load_config",
@@ -42,6 +44,13 @@ __all__ = [
     "read_lines",
     "read_text",
 ]
+
+
+class RunFault(RuntimeError):
+    """A fault a run meets that the user resolves by changing the recipe or the machine, not a bug: one line,
+    no traceback. Raised on every rank of the job at once (the ranks agree on it in a collective), and its
+    message names the ranks involved, so launchers print it without a `rank r:` prefix."""
+
 
 _DISK_FULL = ("No space left on device", "StorageFull", "Disk quota exceeded")
 
@@ -111,7 +120,7 @@ def one_line(err: BaseException) -> str:
 
 def is_user_error(err: BaseException) -> bool:
     """Errors that a user's input or machine causes (one line), as opposed to bugs (a traceback)."""
-    if isinstance(err, (ValueError, OSError)):
+    if isinstance(err, (ValueError, OSError, RunFault)):
         return True
     name = type(err).__name__
     if name in ("SafetensorError", "YAMLError") or any(m in str(err) for m in _DISK_FULL):

@@ -11,19 +11,40 @@ Where the ranks run (`parallel.device`, default auto):
     no GPU (auto), or parallel.device=cpu   spawns parallel.world_size gloo ranks on the CPU
     parallel.device=cuda, no GPU        one-line error
 
-Every check that can fail before a process starts does (one line, naming the field).
+Every check that can fail before a process starts does (one line, naming the field). A fault after the
+ranks started (a user's error such as bad data or a full disk, or a RunFault: out of device memory, a
+non-finite loss) is one line too, without a traceback, and every rank exits non-zero:
+
+    path                   the failing rank                      the one line, printed by
+    gloo ranks (spawn)     sends its line to this process        this process (cli/main.py), exit 2
+    torchrun started here  writes it to the relay directory      this process, which runs torchrun's agent
+                             (distributed/relay.py), exits 1       itself: no ChildFailedError report; exit
+                                                                   = the failed rank's exit code
+    the user's torchrun    prints it, exits 1                    rank 0 for a RunFault (every rank raises
+                                                                   it), else each failing rank
+
+An unexpected error (a bug) keeps the rank's traceback; the launch still ends in one line naming the rank
+(and its exit code, or the hang).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
-import subprocess
 import sys
+import time
+from collections.abc import Iterator
 
+from ..distributed import relay
+from ..errors import RunFault, is_user_error, one_line
 from ..preflight import check_flex_backend_on_cpu, check_local_path
 
-__all__ = ["register", "run", "torchrun_command"]
+__all__ = ["register", "run", "run_torchrun", "torchrun_command"]
+
+PROG = "specforge-csbp train-bdlm"
+_QUIET_RANK_DELAY_S = 2.0  # >> torchrun's agent's monitor interval plus rank 0's time to print
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,6 +62,92 @@ def _rank_main(rank: int, world: int, recipe) -> None:
     from ..training.trainer import train
 
     train(build_workload(recipe), recipe.train, recipe.parallel, recipe=recipe.model_dump(mode="json"))
+
+
+def _torchrun_rank_main(rank: int, world: int, recipe) -> None:
+    """A rank of a torchrun launch: a user's error or a RunFault becomes one line (where no launcher of
+    this package relays it) and exit 1 at once - no teardown, which could wait on a peer that is gone."""
+    try:
+        _rank_main(rank, world, recipe)
+    except Exception as err:
+        relay.record(err)  # for run_torchrun, when it started this launch (a no-op otherwise)
+        if not is_user_error(err):
+            raise  # a bug: its traceback
+        if not os.environ.get(relay.ENV):  # else the launcher prints it
+            if not isinstance(err, RunFault):
+                print(f"{PROG}: error: rank {rank}: {one_line(err)}", file=sys.stderr, flush=True)
+            elif rank == 0:  # every rank raises a RunFault, naming the ranks
+                print(f"{PROG}: error: {one_line(err)}", file=sys.stderr, flush=True)
+            else:  # let rank 0 say it before torchrun's agent, seeing this exit, stops it
+                time.sleep(_QUIET_RANK_DELAY_S)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+@contextlib.contextmanager
+def _log_level(logger: logging.Logger, level: int) -> Iterator[None]:
+    previous = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
+
+
+def _spawned(launch, recipe) -> int:
+    """Gloo ranks on this machine: a rank's user error or RunFault comes back as a ValueError (cli/main.py
+    prints its line); any other failure (a bug's traceback, printed by the rank; a signal; a hang) is one
+    line here instead of the RankFailure's traceback. Exit 124 for a hang (as timeout(1)), else 1."""
+    from ..distributed.launch import HANG_EXIT_CODE, RankFailure  # lazy: CLI start-up
+
+    try:
+        launch(_rank_main, recipe.parallel, recipe)
+    except RankFailure as err:
+        if isinstance(err, ValueError):
+            raise
+        line = (str(err).splitlines() or [""])[0]
+        if err.kind == "exception":
+            if err.peer:  # no rank said more than that a peer went away: the one traceback there is
+                print(err.traceback, file=sys.stderr, end="")
+            line += " (unexpected: the rank's traceback is above)"
+        print(f"{PROG}: error: {line}", file=sys.stderr, flush=True)
+        return HANG_EXIT_CODE if err.kind == "hang" else 1
+    return 0
+
+
+def run_torchrun(cmd: list[str]) -> int:
+    """Run `cmd` (torchrun_command's) with torchrun's agent in this process; a failed launch is one line
+    (the failed rank's relayed error) instead of torchrun's ChildFailedError report, and its exit status
+    is the failed rank's (128 + N for signal N)."""
+    # lazy: CLI start-up
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args
+    from torch.distributed.run import run as torchrun
+
+    if cmd[1:3] != ["-m", "torch.distributed.run"]:
+        raise ValueError(f"not a torchrun command line: {' '.join(cmd[:3])}")
+    # its "failed (exitcode: 1) local_rank: 0" and "closing signal SIGTERM" records: the line below says it
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    with relay.error_dir() as errors, _log_level(agent_log, logging.CRITICAL):
+        try:
+            torchrun(parse_args(cmd[3:]))
+        except ChildFailedError as err:
+            rank, failure = err.get_first_failure()
+            code = failure.exitcode
+            status = 128 - code if code < 0 else code or 1
+            if os.listdir(errors):
+                line = relay.root_cause(errors, status)
+            else:
+                how = f"was killed by {failure.signal_name()}" if code < 0 else f"exited with code {code}"
+                line = f"rank {rank} {how} without reporting an error; its output above names it"
+            print(f"{PROG}: error: {line}", file=sys.stderr, flush=True)
+            return status
+        except SignalException as err:  # Ctrl-C / SIGTERM to this process: the agent stopped the ranks
+            print(f"{PROG}: stopped by {err.sigval.name}; every rank was stopped", file=sys.stderr, flush=True)
+            return 128 + int(err.sigval)
+    return 0
 
 
 def _gpus() -> int:
@@ -95,15 +202,14 @@ def run(args: argparse.Namespace) -> int:
         if recipe.parallel.device == "cpu" or _gpus() == 0:
             check_cpu_backend(recipe.parallel)
         preflight(recipe, int(os.environ["WORLD_SIZE"]))
-        launch(_rank_main, recipe.parallel, recipe)
+        launch(_torchrun_rank_main, recipe.parallel, recipe)
         return 0
     world = gpu_world_size(recipe.parallel, _gpus())
     if world is not None:
         preflight(recipe, world)
         cmd = torchrun_command(args.config, list(args.overrides), world)
-        print(f"specforge-csbp train-bdlm: {world} rank(s), one per GPU: {' '.join(cmd[2:])}", file=sys.stderr,
+        print(f"specforge-csbp: train-bdlm on {world} rank(s), one per GPU: {' '.join(cmd[2:])}", file=sys.stderr,
               flush=True)  # fmt: skip
-        return subprocess.run(cmd, check=False).returncode
+        return run_torchrun(cmd)
     preflight(recipe, recipe.parallel.world_size)
-    launch(_rank_main, recipe.parallel, recipe)
-    return 0
+    return _spawned(launch, recipe)

@@ -9,7 +9,9 @@ A rank that crashes, is killed or hangs must never leave the others waiting or r
     first failure (exception, signal,            the others'. A rank blocked >= timeout_s in a collective
       exit code, hang report)                    while some rank is not in one -> that rank hung: one
     -> SIGKILL every rank's process group        line naming it, exit 124 (every rank that sees it)
-    -> RankFailure("rank 1 ...")               exception -> error record for the parent, exit 1
+    -> RankFailure("rank 1 ...")               exception -> error record for the parent, exit 1 (a
+                                                 user's error or a RunFault: no traceback, the parent
+                                                 prints its one line)
 
 Under torchrun the agent kills the other workers when one exits; the same watchdog (`init_from_env`) turns a
 hang into such an exit, with a message naming the hung rank. "In a collective" means the main thread's
@@ -41,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..errors import is_user_error, one_line
+from ..errors import RunFault, is_user_error, one_line
 from ..outputs import write_json_atomic
 
 __all__ = [
@@ -70,11 +72,12 @@ _PEER_ERRORS = (
 
 
 class RankFailure(RuntimeError):
-    """A rank of a `spawn` failed; `rank` names it, `kind` is exception | signal | exit | hang."""
+    """A rank of a `spawn` failed; `rank` names it, `kind` is exception | signal | exit | hang; `peer`: the
+    exception is a peer's disconnection (no rank reported more; the rank did not print its traceback)."""
 
-    def __init__(self, message: str, *, rank: int, kind: str, traceback: str = ""):
+    def __init__(self, message: str, *, rank: int, kind: str, traceback: str = "", peer: bool = False):
         super().__init__(message)
-        self.rank, self.kind, self.traceback = rank, kind, traceback
+        self.rank, self.kind, self.traceback, self.peer = rank, kind, traceback, peer
 
 
 class RankValueError(RankFailure, ValueError):
@@ -289,11 +292,12 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, timeou
             s in str(err) for s in _PEER_ERRORS
         )
 
-        user = not peer and is_user_error(err)  # bad input, a file, disk full: comes back as one line
+        user = not peer and is_user_error(err)  # bad input, a file, disk full, OOM: comes back as one line
         _write(err_file, kind="exception", rank=rank, type=type(err).__name__,
                message=one_line(err) if user else str(err), value_error=user, peer=peer,
-               traceback=traceback.format_exc())  # fmt: skip
-        traceback.print_exc()
+               names_ranks=isinstance(err, RunFault), traceback=traceback.format_exc())  # fmt: skip
+        if not (user or peer):  # a bug: its traceback; a user's error is the parent's line, a peer's noise
+            traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)  # no teardown: a blocked peer must not keep this rank alive
 
@@ -308,13 +312,13 @@ def _describe(rank: int, code: int, err_dir: str) -> tuple[int, RankFailure]:
         return 0, RankFailure(record["message"], rank=record["rank"], kind="hang")
     if record is not None:
         one_line = (record["message"].splitlines() or [""])[0]
-        if record["value_error"]:
-            err = RankValueError(f"rank {rank}: {one_line}", rank=rank, kind="exception",
-                                 traceback=record["traceback"])  # fmt: skip
+        if record["value_error"]:  # a RunFault's line names its ranks already
+            line = one_line if record.get("names_ranks") else f"rank {rank}: {one_line}"
+            err = RankValueError(line, rank=rank, kind="exception", traceback=record["traceback"])
         else:
             err = RankFailure(
                 f"rank {rank} failed: {record['type']}: {one_line}\n--- rank {rank} ---\n{record['traceback']}",
-                rank=rank, kind="exception", traceback=record["traceback"],
+                rank=rank, kind="exception", traceback=record["traceback"], peer=record["peer"],
             )  # fmt: skip
         return (2 if record["peer"] else 0), err
     if code < 0:

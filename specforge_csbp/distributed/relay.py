@@ -3,12 +3,17 @@
     launcher                                   worker (rank r, under torchrun)
     --------                                   -------------------------------
     error_dir(): mkdtemp, export               exception -> record(err): write ERROR_DIR/rank{r}.txt
-      SPECFORGE_CSBP_ERROR_DIR                   (one line: errors.one_line), then exit non-zero
-    run torchrun ... -> rc != 0
-    root_cause(dir, rc): the first failure's line (a rank's own error beats a survivor's
-      "connection closed by peer"), printed last; exit rc
+      SPECFORGE_CSBP_ERROR_DIR                   (one line: errors.one_line), then exit non-zero;
+    run torchrun ... -> rc != 0                  a RunFault (every rank raises it, e.g. out of device
+    root_cause(dir, rc): the first failure's     memory): ERROR_DIR/job.txt, a line naming the ranks;
+      line (a job-wide fault first, then a       an unexpected error: `Type: message (unexpected: the
+      rank's own error over a survivor's         rank's traceback is above; exit code 1)`
+      "connection closed by peer"), printed
+      last; exit rc
 
-torchrun's own report (ChildFailedError, "Root Cause" naming whichever exit it saw first) stays above it.
+Under `specforge train --csbp` torchrun's own report (ChildFailedError, "Root Cause" naming whichever exit it
+saw first) stays above that line; `train-bdlm` runs torchrun's agent in its own process and prints the line
+instead of the report (cli/train_bdlm.py).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 
-from ..errors import is_user_error, one_line
+from ..errors import RunFault, is_user_error, one_line
 
 __all__ = ["ENV", "error_dir", "record", "root_cause"]
 
@@ -50,17 +55,23 @@ def record(err: BaseException) -> None:
     root = os.environ.get(ENV)
     if not root or not os.path.isdir(root):
         return
-    line = one_line(err) if is_user_error(err) else f"{type(err).__name__}: {one_line(err)}"
+    if is_user_error(err):
+        line = one_line(err)
+    else:  # the worker re-raises it: Python prints the traceback and exits 1
+        line = f"{type(err).__name__}: {one_line(err)} (unexpected: the rank's traceback is above; exit code 1)"
     rank = os.environ.get("RANK", "0")
-    tmp = os.path.join(root, f".rank{rank}.tmp")
+    name = "job" if isinstance(err, RunFault) else f"rank{rank}"  # every rank raises a RunFault: one file
+    tmp = os.path.join(root, f".{name}.{rank}.tmp")
     with contextlib.suppress(OSError):
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(line.replace("\n", " ") + "\n")
-        os.replace(tmp, os.path.join(root, f"rank{rank}.txt"))
+        os.replace(tmp, os.path.join(root, f"{name}.txt"))
 
 
 def root_cause(root: str, rc: int) -> str:
     """The line to print for a failed launch: the first rank whose error is not a peer's disconnection."""
+    with contextlib.suppress(OSError), open(os.path.join(root, "job.txt"), encoding="utf-8") as f:
+        return f.read().strip()  # a fault of the whole job (every rank agreed on it): its line names the ranks
     found: list[tuple[float, int, str]] = []
     for name in os.listdir(root) if os.path.isdir(root) else []:
         if name.startswith("rank") and name.endswith(".txt") and name[4:-4].isdigit():

@@ -184,7 +184,8 @@ def _run_worker(resolved, plan, prepared: PreparedRun, prog: str) -> int:
         relay.record(err)  # for the launcher, which prints it as the last line
         if not is_user_error(err):
             raise
-        print(f"{prog}: error: {one_line(err)}", file=sys.stderr)  # configuration problems: one line
+        if not os.environ.get(relay.ENV):  # else the launcher prints it, once (a RunFault: every rank has it)
+            print(f"{prog}: error: {one_line(err)}", file=sys.stderr)  # configuration problems, OOM, NaN: one line
         return 2
     return 0
 

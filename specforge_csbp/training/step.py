@@ -11,6 +11,8 @@ and tensor (`NonFiniteError`, `StepOutOfMemory`).
 
 from __future__ import annotations
 
+import contextlib
+import re
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed.launch import heartbeat
+from ..errors import RunFault
 from .context import TrainContext
 from .validate import first_nonfinite
 from .workload import Workload
@@ -30,6 +33,7 @@ __all__ = [
     "StepResult",
     "first_offender",
     "global_denominator",
+    "out_of_memory",
     "reduce_gradients",
     "train_step",
 ]  # fmt: skip
@@ -86,11 +90,12 @@ def reduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | None
             g.copy_(part.view_as(g))
 
 
-class StepOutOfMemory(RuntimeError):
-    """Some rank ran out of device memory in forward/backward; raised on every rank of the group."""
+class StepOutOfMemory(RunFault):
+    """Some rank ran out of device memory in forward/backward; raised on every rank of the group, naming the
+    ranks and what each had allocated (the trainer adds what to change)."""
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(RunFault):
     """A NaN/Inf loss or gradient on some rank; raised on every rank of the group, before the optimizer step."""
 
 
@@ -104,6 +109,35 @@ def _any_rank(flags: list[bool], group) -> list[bool]:
         t = t.to(_collective_device(group))
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return [bool(v) for v in t.cpu().tolist()]
+
+
+def _oom_detail(err: BaseException, device: torch.device | None) -> str:
+    """What this rank had when the allocation failed, e.g. 'tried to allocate 2.00 GiB; peak 130.1 GiB
+    allocated of 139.8 GiB' (torch's message and the CUDA allocator; parts it cannot know are left out)."""
+    found = re.search(r"Tried to allocate ([0-9.]+ [KMGT]?i?B)", str(err))
+    parts = [f"tried to allocate {found.group(1)}"] if found else []
+    if device is not None and device.type == "cuda":
+        with contextlib.suppress(RuntimeError):
+            peak = torch.cuda.max_memory_allocated(device) / 2**30
+            total = torch.cuda.mem_get_info(device)[1] / 2**30
+            parts.append(f"peak {peak:.1f} GiB allocated of {total:.1f} GiB")
+    return "; ".join(parts)
+
+
+def out_of_memory(step: int, local: str | None, group) -> str:
+    """'step N: device out of memory on rank r (tried to allocate ...)' from every rank's finding (None:
+    this rank did not run out); all ranks of `group` call it once they agreed that some rank ran out."""
+    found: list[str | None] = [local]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        found = [None] * dist.get_world_size(group)
+        dist.all_gather_object(found, local, group=group)
+    ranks = [r for r, f in enumerate(found) if f is not None]
+    names = {
+        r: dist.get_global_rank(group, r) if group is not None and dist.is_initialized() else r for r in ranks
+    }
+    where = "; ".join(f"rank {names[r]}" + (f" ({found[r]})" if found[r] else "") for r in ranks[:4])
+    more = f"; {len(ranks) - 4} more rank(s)" if len(ranks) > 4 else ""
+    return f"step {step + 1}: device out of memory on {where}{more}"
 
 
 def first_offender(step: int, local: tuple[int, str] | None, group) -> str:
@@ -150,7 +184,7 @@ def train_step(
     denom = global_denominator(batches, group)
     scale = denom.clamp_min(1.0)  # a step with nothing supervised contributes zero, not NaN
     total = torch.zeros((), dtype=torch.float64)
-    oom, bad = False, None
+    oom, bad = None, None
     numerators: list[torch.Tensor] = []  # on the device: read once after the last backward (one host sync)
     try:
         for i, batch in enumerate(batches):
@@ -160,21 +194,21 @@ def train_step(
             # backward even when non-finite: the other ranks' backward collectives need this rank's part
             (numerator / scale.to(numerator.dtype)).backward()
             numerators.append(numerator.detach().double())
-    except _OOM:
-        oom = True
+    except _OOM as err:
+        oom = _oom_detail(err, getattr(ctx, "device", None))
     values = torch.stack(numerators).cpu() if numerators else torch.zeros(0, dtype=torch.float64)
     for i, value in enumerate(values):  # summed in micro-batch order, as before: the same float64 total
         total += value
         if bad is None and not torch.isfinite(value):
             bad = (0, f"loss numerator of micro batch {i} ({float(value)})")
-    if bad is None and not oom:  # this rank's own gradients, before the sum mixes every rank's in
+    if bad is None and oom is None:  # this rank's own gradients, before the sum mixes every rank's in
         grad = first_nonfinite((f"{n}.grad", p.grad) for n, p in named)
         bad = None if grad is None else (1, grad)
     heartbeat(f"step {step + 1}: agree on OOM / non-finite")
-    any_oom, any_bad = _any_rank([oom, bad is not None], group)
+    any_oom, any_bad = _any_rank([oom is not None, bad is not None], group)
     if any_oom:
         optimizer.zero_grad(set_to_none=True)
-        raise StepOutOfMemory(f"step {step + 1}: out of device memory on at least one rank")
+        raise StepOutOfMemory(out_of_memory(step, oom, group))
     if any_bad:
         optimizer.zero_grad(set_to_none=True)
         raise NonFiniteError(first_offender(step, bad, group))

@@ -34,11 +34,11 @@ from tqdm.auto import tqdm
 from ..distributed.launch import free_port, heartbeat, init_from_env, spawn
 from ..outputs import write_text_atomic
 from .checkpoint import load_trainer_state, save_checkpoint
-from .checkpointing import keep_activations, resolve_checkpointing
+from .checkpointing import bdlm_peak_gib, keep_activations, resolve_checkpointing
 from .context import TrainContext, build_context
 from .metrics import format_step, max_over_ranks, peak_device_tflops, peak_memory_gib, reset_peak_memory
 from .schedule import build_scheduler
-from .step import train_step
+from .step import StepOutOfMemory, train_step
 from .validate import check_output_dir, check_resume, run_layout
 from .workload import Workload, load_model, save_model
 
@@ -105,7 +105,7 @@ def _build(workload: Workload, ctx: TrainContext, train: TrainConfig):
                 f"enable_activation_checkpointing()"
             )
         enable()
-        keep_activations(model, keep)
+        keep = keep_activations(model, keep)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     on_gpu = ctx.device.type == "cuda"
@@ -118,7 +118,7 @@ def _build(workload: Workload, ctx: TrainContext, train: TrainConfig):
     scheduler = build_scheduler(
         optimizer, warmup_steps=train.warmup_steps, total_steps=train.steps, min_ratio=train.min_lr_ratio
     )
-    return model, optimizer, scheduler
+    return model, optimizer, scheduler, (enabled, keep)
 
 
 def _checkpointing(
@@ -137,6 +137,39 @@ def _checkpointing(
         note = "; on because another rank needs it" if enabled and not choice.enabled else ""
         print(f"specforge-csbp: {choice.line()}{note}", flush=True)
     return enabled, keep
+
+
+def _out_of_memory_advice(workload: Workload, model, ctx: TrainContext, train: TrainConfig, recipe: dict,
+                          checkpointing: tuple[bool, int]) -> str:  # fmt: skip
+    """What a user changes after `StepOutOfMemory`: 'predicted peak 122.8 GiB of 139.8 GiB; set
+    train.activation_checkpointing: true (now auto), lower data.max_length (now 32768) or
+    objective.ce_chunk_size (now 4096), or add GPUs (parallel.cp_degree, now 1)' - the recipe's own fields
+    where it has them; the prediction on GPUs, for workloads with a memory model (training/checkpointing.py)."""
+    enabled, keep = checkpointing
+    layers = getattr(getattr(model, "config", None), "num_hidden_layers", 0) or 0
+    predicted = ""
+    if ctx.device.type == "cuda":
+        try:  # the memory model of the layout that ran (kept layers: between the two ends)
+            none, every = (bdlm_peak_gib(workload, model, ctx, checkpointing=c) for c in (False, True))
+            peak = none if not enabled else every + keep * (none - every) / max(1, layers)
+            total = torch.cuda.mem_get_info(ctx.device)[1] / 2**30
+            predicted = f"predicted peak {peak:.1f} GiB of {total:.1f} GiB; "
+        except Exception:  # noqa: BLE001, S110 - no memory model for this workload: the line goes without it
+            pass
+    todo = []
+    if not enabled:
+        now = "auto, which chose off" if train.activation_checkpointing == "auto" else "false"
+        todo.append(f"set train.activation_checkpointing: true (now {now})")
+    elif keep:
+        todo.append(f"set train.activation_checkpointing: true (auto checkpointed {layers - keep} of {layers} layers)")
+    fields = (("data", "max_length"), ("objective", "ce_chunk_size"))
+    lower = [f"{sec}.{name} (now {v})" for sec, name in fields if (v := recipe.get(sec, {}).get(name))]
+    if train.micro_batch_size > 1:
+        lower.append(f"train.micro_batch_size (now {train.micro_batch_size})")
+    if lower:
+        todo.append("lower " + (", ".join(lower[:-1]) + " or " if len(lower) > 1 else "") + lower[-1])
+    todo.append(f"add GPUs (parallel.cp_degree, now {ctx.cp_size})")
+    return predicted + ", ".join(todo[:-1]) + (", or " if len(todo) > 1 else "") + todo[-1]
 
 
 def _max_over_ranks(seconds: float, peak_gib: float, device: torch.device) -> tuple[float, float]:
@@ -246,7 +279,7 @@ def train(
     if state is not None:
         check_resume(state, resume_from, ctx, train)
     heartbeat("build model")
-    model, optimizer, scheduler = _build(workload, ctx, train)
+    model, optimizer, scheduler, checkpointing = _build(workload, ctx, train)
     start = 0 if state is None else _resume(workload, model, optimizer, scheduler, resume_from, state, ctx.device)
     tokens = workload.tokens_per_step(ctx)
     flops = workload.flops_per_step(ctx)
@@ -256,7 +289,13 @@ def train(
     log_file = _open_log(train, ctx, start)
     try:
         for step in range(start, train.steps):
-            metrics = _timed_step(workload, model, optimizer, scheduler, ctx, train, step, tokens, flops, peak)
+            try:
+                metrics = _timed_step(
+                    workload, model, optimizer, scheduler, ctx, train, step, tokens, flops, peak
+                )
+            except StepOutOfMemory as err:  # every rank: the same line, with what to change
+                advice = _out_of_memory_advice(workload, model, ctx, train, recipe or {}, checkpointing)
+                raise StepOutOfMemory(f"{err}; {advice}") from None
             history.append(metrics)
             if ctx.is_main:
                 _report(metrics, train, bar, log_file)

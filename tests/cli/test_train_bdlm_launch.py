@@ -4,7 +4,6 @@ GPUs cannot hold the ranks or parallel.device=cuda finds none; gloo ranks on the
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,11 +33,11 @@ def machine(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
 
-    def fake_run(cmd, check=False):
+    def fake_run(cmd):
         m.torchrun.append(list(cmd))
-        return subprocess.CompletedProcess(cmd, m.rc)
+        return m.rc
 
-    monkeypatch.setattr(train_bdlm.subprocess, "run", fake_run)
+    monkeypatch.setattr(train_bdlm, "run_torchrun", fake_run)
     monkeypatch.setattr(trainer, "launch", lambda entry, parallel, recipe: m.gloo.append(parallel.world_size))
     return m
 
