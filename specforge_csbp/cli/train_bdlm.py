@@ -30,12 +30,9 @@ An unexpected error (a bug) keeps the rank's traceback; the launch still ends in
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
 
 from ..distributed import relay
 from ..errors import RunFault, is_user_error, one_line
@@ -85,16 +82,6 @@ def _torchrun_rank_main(rank: int, world: int, recipe) -> None:
         os._exit(1)
 
 
-@contextlib.contextmanager
-def _log_level(logger: logging.Logger, level: int) -> Iterator[None]:
-    previous = logger.level
-    logger.setLevel(level)
-    try:
-        yield
-    finally:
-        logger.setLevel(previous)
-
-
 def _spawned(launch, recipe) -> int:
     """Gloo ranks on this machine: a rank's user error or RunFault comes back as a ValueError (cli/main.py
     prints its line); any other failure (a bug's traceback, printed by the rank; a signal; a hang) is one
@@ -117,37 +104,25 @@ def _spawned(launch, recipe) -> int:
 
 
 def run_torchrun(cmd: list[str]) -> int:
-    """Run `cmd` (torchrun_command's) with torchrun's agent in this process; a failed launch is one line
-    (the failed rank's relayed error) instead of torchrun's ChildFailedError report, and its exit status
-    is the failed rank's (128 + N for signal N)."""
+    """Run `cmd` (torchrun_command's) with torchrun's agent in this process (distributed/torchrun.py); a
+    failed launch is one line (the failed rank's relayed error) instead of torchrun's ChildFailedError
+    report, and its exit status is the failed rank's (128 + N for signal N)."""
     # lazy: CLI start-up
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args
-    from torch.distributed.run import run as torchrun
+    from ..distributed.torchrun import run_agent
 
     if cmd[1:3] != ["-m", "torch.distributed.run"]:
         raise ValueError(f"not a torchrun command line: {' '.join(cmd[:3])}")
-    # its "failed (exitcode: 1) local_rank: 0" and "closing signal SIGTERM" records: the line below says it
-    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    with relay.error_dir() as errors, _log_level(agent_log, logging.CRITICAL):
-        try:
-            torchrun(parse_args(cmd[3:]))
-        except ChildFailedError as err:
-            rank, failure = err.get_first_failure()
-            code = failure.exitcode
-            status = 128 - code if code < 0 else code or 1
+    with relay.error_dir() as errors:
+        result = run_agent(cmd[3:])
+        if result.stopped_by:  # Ctrl-C / SIGTERM to this process: the agent stopped the ranks
+            print(f"{PROG}: stopped by {result.stopped_by}; every rank was stopped", file=sys.stderr, flush=True)
+        elif result.status:
             if os.listdir(errors):
-                line = relay.root_cause(errors, status)
+                line = relay.root_cause(errors, result.status)
             else:
-                how = f"was killed by {failure.signal_name()}" if code < 0 else f"exited with code {code}"
-                line = f"rank {rank} {how} without reporting an error; its output above names it"
+                line = f"rank {result.failed_rank} {result.how} without reporting an error; its output above names it"
             print(f"{PROG}: error: {line}", file=sys.stderr, flush=True)
-            return status
-        except SignalException as err:  # Ctrl-C / SIGTERM to this process: the agent stopped the ranks
-            print(f"{PROG}: stopped by {err.sigval.name}; every rank was stopped", file=sys.stderr, flush=True)
-            return 128 + int(err.sigval)
-    return 0
+    return result.status
 
 
 def _gpus() -> int:

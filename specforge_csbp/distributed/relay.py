@@ -11,9 +11,9 @@
       "connection closed by peer"), printed
       last; exit rc
 
-Under `specforge train --csbp` torchrun's own report (ChildFailedError, "Root Cause" naming whichever exit it
-saw first) stays above that line; `train-bdlm` runs torchrun's agent in its own process and prints the line
-instead of the report (cli/train_bdlm.py).
+Both launchers run torchrun's agent quietly (distributed/torchrun.py: no ChildFailedError report, whose
+"Root Cause" names whichever exit it saw first): `specforge train --csbp` through its torchrun prefix,
+`train-bdlm` in its own process; the relayed line is what the user reads last.
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ from .registry import plugin_registry
 __all__ = ["TORCHRUN_PREFIX", "WORKER_PREFIX", "add_train_arguments", "preflight", "run", "train_main"]
 
 WORKER_PREFIX = (sys.executable, "-m", "specforge_csbp")
-TORCHRUN_PREFIX = (sys.executable, "-m", "torch.distributed.run", "--no-python")
+# torchrun's agent, quiet on a rank's failure (its ChildFailedError report would precede the one line below)
+TORCHRUN_PREFIX = (sys.executable, "-m", "specforge_csbp.distributed.torchrun", "--no-python")
 
 
 def train_main(argv: list[str], *, prog: str = "specforge-csbp train") -> int:
@@ -157,7 +158,7 @@ def run(args: argparse.Namespace, *, prog: str) -> int:
 
         with relay.error_dir() as errors:
             rc = run_commands(plan)
-            if rc != 0:  # the workers' own one line, last, after torchrun's ChildFailedError block
+            if rc != 0:  # the failed worker's own one line, last (distributed/torchrun.py prints no report)
                 print(f"{prog}: error: {relay.root_cause(errors, rc)}", file=sys.stderr, flush=True)
         return rc
     if "LOCAL_RANK" not in os.environ:  # a one-rank run in the launching process (not a torchrun worker)

@@ -222,7 +222,7 @@ def test_direct_entry_plans_torchrun_workers_that_run_this_package(tmp_path, cap
     head = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "specforge_csbp.distributed.torchrun",  # torchrun's agent, quiet on failure
         "--no-python",
         "--standalone",
         "--nproc_per_node",

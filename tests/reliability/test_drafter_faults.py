@@ -4,8 +4,9 @@
                                     (rank 0 "also": the NaN reaches its gradients through the attention);
                                     the step-2 checkpoint is the last one and equals an unpoisoned run's
     inf grad    rank 0, step 1   -> named before DDP's all-reduce: rank 0 and the parameter; nothing saved
-    crash       rank 1, step 2   -> every rank exits non-zero within 60 s (a few seconds), the crashed rank's
-                                    own `[rank1]:` line names it, no process of the run is left
+    crash       rank 1, step 2   -> every rank exits within 60 s (a few seconds), the crashed rank's own
+                                    `[rank1]:` line names it, the launcher's last line is that rank's one
+                                    line (no torchrun report), no process of the run is left
 
 The faults come from the test-only sitecustomize of tests/reliability/test_drafter_resume.py.
 """
@@ -79,16 +80,13 @@ def test_a_crashed_rank_stops_every_rank_and_is_named(tmp_path):
     text = _text(done)
     assert done.returncode != 0 and elapsed < 60
     assert "RuntimeError: injected crash" in text
-    # the crashed rank is named by its own line; every rank is in torchrun's failure summary with a non-zero
-    # exit (torchrun's "Root Cause" is whichever exit it saw first: often the survivor, whose collective
-    # failed when the crashed peer's connection closed, so it is not asserted)
+    # the crashed rank is named by its own line (its traceback: a bug), the launcher prints that rank's one
+    # line last (relay.py), torchrun's ChildFailedError report is gone (distributed/torchrun.py), and no
+    # process of the run is left: every rank exited
     assert "[rank1]: RuntimeError: injected crash" in text, text[-3000:]
-    # ... and the launcher prints the crashed rank's own one line last, after torchrun's summary (relay.py)
     assert done.stderr.strip().splitlines()[-1] == (
         "specforge train: error: rank 1: RuntimeError: injected crash (unexpected: the rank's traceback is above; "
         "exit code 1)"
     ), done.stderr[-2000:]
-    summary = text[text.index("Failures:") :] if "Failures:" in text else text[text.index("Root Cause") :]
-    exits = dict(re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\n\s*exitcode\s*:\s*(-?\d+)", summary))
-    assert set(exits) == {"0", "1"} and all(int(code) != 0 for code in exits.values()), summary
+    assert "ChildFailedError" not in text and "Root Cause" not in text, text[-3000:]
     assert _left_behind(str(tmp_path)) == []
