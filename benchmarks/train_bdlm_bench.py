@@ -26,6 +26,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from specforge_csbp.bench.provenance import library_digest  # noqa: E402
+from specforge_csbp.bench.runner import OOM_PATTERN  # noqa: E402
 from specforge_csbp.models.bdlm.recipe import BDLMRecipe  # noqa: E402
 from specforge_csbp.training.config import load_recipe  # noqa: E402
 
@@ -115,8 +116,7 @@ def classify(text: str, returncode: int | None) -> tuple[str, str | None]:
     point says why it failed."""
     if returncode == 0:
         return "ok", None
-    low = text.lower()
-    status = "oom" if ("out of memory" in low or "out of device memory" in low) else "error"
+    status = "oom" if OOM_PATTERN.search(text) else "error"  # the sweep runner's pattern
     lines = [ln.strip() for ln in text.splitlines()]
     named = [ln for ln in lines if ERROR_LINE.search(ln) and "ChildFailedError" not in ln and "elastic" not in ln]
     error = (named or [ln for ln in lines if ln])[-1:] if lines else []

@@ -42,7 +42,7 @@ from .report import render_markdown, write_csv
 __all__ = ["OOM_PATTERN", "SweepSummary", "classify_failure", "detect_device", "run_point", "run_sweep", "today", "write_outputs"]
 
 OOM_PATTERN = re.compile(
-    r"out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED|"
+    r"out of (?:device )?memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED|"
     r"std::bad_alloc|\bMemoryError\b|Cannot allocate memory",
     re.IGNORECASE,
 )

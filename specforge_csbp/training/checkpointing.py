@@ -33,7 +33,7 @@ from ..planner.pairs import bdlm_rank_stats
 from ..planner.shapes import load_shape
 
 __all__ = ["HEADROOM_GIB", "HEADROOM_SHARE", "CheckpointingChoice", "bdlm_peak_gib", "keep_activations",
-           "layers_that_fit", "needs_checkpointing", "resolve_checkpointing"]  # fmt: skip
+           "layers_that_fit", "needs_checkpointing", "peak_keeping", "resolve_checkpointing"]  # fmt: skip
 
 GiB = float(1 << 30)
 HEADROOM_GIB = 2.0
@@ -70,15 +70,20 @@ def needs_checkpointing(peak_gib: float, available_gib: float) -> bool:
     return peak_gib + HEADROOM_GIB + HEADROOM_SHARE * peak_gib > available_gib
 
 
+def peak_keeping(peak_none: float, peak_all: float, layers: int, keep: int) -> float:
+    """Predicted peak with `keep` of `layers` decoder layers keeping their activations, the others
+    checkpointed: peak_all + keep (peak_none - peak_all) / layers."""
+    return peak_all + keep * (peak_none - peak_all) / max(1, layers)
+
+
 def layers_that_fit(peak_none: float, peak_all: float, layers: int, available_gib: float) -> int:
     """How many decoder layers can keep their activations (the others checkpointed) within
-    `available_gib`: all when the un-checkpointed step fits, else the most k with
-    peak_all + k (peak_none - peak_all) / layers fitting (0: checkpoint every layer)."""
+    `available_gib`: all when the un-checkpointed step fits, else the most k whose `peak_keeping` fits
+    (0: checkpoint every layer)."""
     if not needs_checkpointing(peak_none, available_gib):
         return layers
-    per_layer = (peak_none - peak_all) / max(1, layers)
     k = 0
-    while k + 1 < layers and not needs_checkpointing(peak_all + (k + 1) * per_layer, available_gib):
+    while k + 1 < layers and not needs_checkpointing(peak_keeping(peak_none, peak_all, layers, k + 1), available_gib):
         k += 1
     return k
 
@@ -129,7 +134,7 @@ def resolve_checkpointing(workload, model, ctx) -> CheckpointingChoice:
     if on:
         reason += f"; {peak_all:.1f} GiB with every layer checkpointed"
         if keep:
-            reason += f"; {peak_all + keep * (peak - peak_all) / layers:.1f} GiB as chosen"
+            reason += f"; {peak_keeping(peak, peak_all, layers, keep):.1f} GiB as chosen"
     return CheckpointingChoice(on, reason, keep_layers=keep if on else 0, layers=layers)
 
 

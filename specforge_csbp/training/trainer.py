@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from ..distributed.launch import free_port, heartbeat, init_from_env, spawn
 from ..outputs import write_text_atomic
 from .checkpoint import load_trainer_state, save_checkpoint
-from .checkpointing import bdlm_peak_gib, keep_activations, resolve_checkpointing
+from .checkpointing import bdlm_peak_gib, keep_activations, peak_keeping, resolve_checkpointing
 from .context import TrainContext, build_context
 from .metrics import format_step, max_over_ranks, peak_device_tflops, peak_memory_gib, reset_peak_memory
 from .schedule import build_scheduler
@@ -151,7 +151,7 @@ def _out_of_memory_advice(workload: Workload, model, ctx: TrainContext, train: T
     if ctx.device.type == "cuda":
         try:  # the memory model of the layout that ran (kept layers: between the two ends)
             none, every = (bdlm_peak_gib(workload, model, ctx, checkpointing=c) for c in (False, True))
-            peak = none if not enabled else every + keep * (none - every) / max(1, layers)
+            peak = none if not enabled else peak_keeping(none, every, layers, keep)
             total = torch.cuda.mem_get_info(ctx.device)[1] / 2**30
             predicted = f"predicted peak {peak:.1f} GiB of {total:.1f} GiB; "
         except Exception:  # noqa: BLE001, S110 - no memory model for this workload: the line goes without it
