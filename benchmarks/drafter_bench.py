@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import json
 import os
 import shlex
 import statistics
@@ -64,7 +65,7 @@ from specforge_csbp.models.dflash import (
     make_dflash_config,
     plan_attention,
 )
-from specforge_csbp.models.dflash.configuration import DFlashConfig
+from specforge_csbp.models.dflash.configuration import DFlashConfig, plain_dflash
 from specforge_csbp.models.dflash.prefetch import StepPrefetcher, stage_indices
 from specforge_csbp.models.dflash.sharding import prepare_plan_attention, reference_attention
 from specforge_csbp.models.dflash.step import plan_sample, prepare_step
@@ -153,11 +154,16 @@ def parse_args(argv=None):
 def build_config(args):
     if args.draft_config:  # exactly the drafter a recipe trains (benchmarks/plugin_setup.py builds its data)
         config = DFlashConfig.from_json_file(args.draft_config)
-        if args.dflash2 is not None and args.dflash2 != config.is_dflash2:
-            raise SystemExit(f"--draft-config {args.draft_config} is {config.architecture}; drop --dflash2 / --no-dflash2")
+        name = os.path.splitext(os.path.basename(args.draft_config))[0]
+        if args.dflash2 is False and config.is_dflash2:  # the same drafter as plain DFlash (trainer_bench's too)
+            with open(args.draft_config) as f:
+                config = DFlashConfig.from_dict(plain_dflash(json.load(f)))
+            name = name.replace("-dflash2", "-dflash")
+        elif args.dflash2 and not config.is_dflash2:
+            raise SystemExit(f"--draft-config {args.draft_config} is {config.architecture}; drop --dflash2")
         if args.block_size is not None and args.block_size != config.draft_block_size:
             raise SystemExit(f"--block-size {args.block_size} != the config's block size {config.draft_block_size}")
-        return os.path.splitext(os.path.basename(args.draft_config))[0], config
+        return name, config
     shape = dict(SHAPES["tiny" if args.smoke else args.shape])
     name = shape.pop("name")
     if args.dflash2 is not None:

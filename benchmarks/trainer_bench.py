@@ -151,14 +151,12 @@ def run_child(peak_path: str, argv: list[str]) -> int:
 # -- data: one set of random bytes in both formats -----------------------------------------------------------
 def drafter_config(args, work: str):
     """The drafter config both trainers train, written to WORK/draft.json."""
-    from specforge_csbp.models.dflash.configuration import DFlashConfig
+    from specforge_csbp.models.dflash.configuration import DFlashConfig, plain_dflash
 
     with open(args.draft_config) as f:
         raw = json.load(f)
     if args.no_dflash2:
-        raw["architectures"] = ["DFlashDraftModel"]
-        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-            raw.get("dflash_config", {}).pop(key, None)
+        raw = plain_dflash(raw)
     path = os.path.join(work, "draft.json")
     with open(path, "w") as f:
         json.dump(raw, f, indent=1)

@@ -26,6 +26,7 @@ from .shapes import ModelShape
 __all__ = [
     "ATTENTION_BACKENDS",
     "MemoryBreakdown",
+    "attention_bytes_per_row",
     "attention_layer_peak_bytes",
     "bdlm_step_memory",
     "decoder_layer_bytes_per_row",
@@ -106,6 +107,15 @@ def _norm_bytes(shape: ModelShape, width: int, in_bytes: int) -> int:
     return 4 * width + 4 + (4 if shape.norm_kind == "gemma" else in_bytes) * width
 
 
+def attention_bytes_per_row(shape: ModelShape, *, gemm_bytes: int, gqa_packed: bool = False) -> int:
+    """Bytes one token row of a decoder layer's attention saves for backward, as FlexAttention saves it:
+    q, k, v, out in the GEMM dtype and the fp32 log-sum-exp, e (2 H + 2 Hk) D + 4 H; with GQA packing
+    (flex, H > Hk; attention/packing.py) out is copied back to [B, H, N, D] for o_proj: + e H D. Also what a
+    checkpointed layer keeps when its attention is not recomputed (models/bdlm/routing.py)."""
+    H, Hk, hd, e = shape.heads, shape.kv_heads, shape.head_dim, gemm_bytes
+    return e * (2 * H + 2 * Hk) * hd + 4 * H + (e * H * hd if gqa_packed and H > Hk else 0)
+
+
 def decoder_layer_bytes_per_row(
     shape: ModelShape, layer: int = 0, *, gemm_bytes: int, residual_bytes: int, gqa_packed: bool = False
 ) -> int:
@@ -139,7 +149,7 @@ def decoder_layer_bytes_per_row(
     sparse = shape.is_sparse(layer)
     gemm_in = (4 if sparse else 5) * e * h if r != e else 2 * e * h  # MoE: the experts take the r-byte rows
     qk = _norm_bytes(shape, H * hd, e) + _norm_bytes(shape, Hk * hd, e) + 4 * (H + Hk) - 8 if shape.qk_norm else 0
-    attn = e * (2 * H + 2 * Hk) * hd + 4 * H + (e * H * hd if gqa_packed and H > Hk else 0)
+    attn = attention_bytes_per_row(shape, gemm_bytes=e, gqa_packed=gqa_packed)
     if sparse:
         k, E = shape.experts_per_token, shape.experts
         mlp = 4 * E + 36 * k + 4 + e * k + r * k * (2 * h + 4 * shape.expert_intermediate)
@@ -189,6 +199,7 @@ def bdlm_step_memory(
     reserved_gib: float,
     residual_bytes: int | None = None,
     gqa_packed: bool = True,
+    attention_kept: bool = False,
 ) -> MemoryBreakdown:
     """One rank of a full-BDLM step (SFT / conversion): every layer runs on the rank's 2L rows.
 
@@ -197,7 +208,8 @@ def bdlm_step_memory(
     GEMMs run in bf16), else elem_bytes. Each layer saves `decoder_layer_bytes_per_row` per row;
     gqa_packed: count FlexAttention's GQA packing copy (it packs whenever that visits fewer tiles, e.g.
     every layer of the Gemma-3-1B recipe at 32K; counting it when a layer does not pack is e H D per row
-    over)."""
+    over). attention_kept (with checkpointing): every checkpointed layer also keeps its attention's saved
+    tensors and gathered K/V (no attention in the recompute, models/bdlm/routing.py)."""
     rows = views * s.q_rows
     res = residual_bytes or elem_bytes
     per_layer = [decoder_layer_bytes_per_row(shape, i, gemm_bytes=elem_bytes, residual_bytes=res,
@@ -206,6 +218,9 @@ def bdlm_step_memory(
     if checkpointing:  # layer inputs kept; one layer's activations live while it is recomputed
         act = shape.layers * rows * shape.hidden * res + rows * max(per_layer)
         buf = views * s.gathered_rows * kv_row * 2  # one layer's gathered K/V + gradient
+        if attention_kept:  # + every layer's attention tensors and gathered K/V
+            act += shape.layers * rows * attention_bytes_per_row(shape, gemm_bytes=elem_bytes, gqa_packed=gqa_packed)
+            buf = views * s.gathered_rows * kv_row * (shape.layers + 1)
     else:
         act = rows * sum(per_layer)
         buf = views * s.gathered_rows * kv_row * (shape.layers + 1)  # every layer keeps its buffer

@@ -17,6 +17,17 @@ would not fit in the device's memory without.
        (peak without - peak with checkpointing) / layers; the last k layers keep their activations
        (their backward runs first, so their memory is free again before the recomputes start)
 
+`train.recompute_attention: auto` (the default), once checkpointing is on: a checkpointed layer keeps its
+attention's output and saved tensors for the recompute (models/bdlm/routing.py) when the step with every
+layer doing so fits - attention is most of a long-context layer's FLOPs (72% at 64K for Qwen3-1.7B), its
+saved tensors a fifth of the layer's - and re-runs attention only when it does not fit:
+
+    peak  none (no checkpointing) > kept (every attention kept) > all (every layer recomputed, attention too)
+    off                       when none fits
+    on, attention kept in a   the most a layers' attention outputs that fit: all + a (kept - all) / layers
+    on for n - k, kept        when all of them fit: the last k layers un-checkpointed on top, as far as fits
+                              (PeakModel.peak / choose: the one formula auto, its line and the OOM advice use)
+
 Without a GPU the choice is off (host memory is not what the planner models); a workload without a memory
 model (no seq_len / objective / ce_chunk_size, or a model without a config) also gets off, and the line
 printed says so. An explicit true / false is never changed.
@@ -28,12 +39,15 @@ from dataclasses import dataclass
 
 import torch
 
+from ..layout.cost import bdlm_visible_pairs
+from ..models.bdlm.routing import config_windows
 from ..planner.memory import bdlm_step_memory
 from ..planner.pairs import bdlm_rank_stats
 from ..planner.shapes import load_shape
 
-__all__ = ["HEADROOM_GIB", "HEADROOM_SHARE", "CheckpointingChoice", "bdlm_peak_gib", "keep_activations",
-           "layers_that_fit", "needs_checkpointing", "peak_keeping", "resolve_checkpointing"]  # fmt: skip
+__all__ = ["HEADROOM_GIB", "HEADROOM_SHARE", "CheckpointingChoice", "PeakModel", "available_gib", "bdlm_peak_gib",
+           "bdlm_peaks", "keep_activations", "keep_attention", "needs_checkpointing", "resolve_attention",
+           "resolve_checkpointing"]  # fmt: skip
 
 GiB = float(1 << 30)
 HEADROOM_GIB = 2.0
@@ -51,18 +65,24 @@ HEADROOM_SHARE = 0.25
 @dataclass(frozen=True)
 class CheckpointingChoice:
     enabled: bool
-    reason: str
+    reason: str = ""
     keep_layers: int = 0  # decoder layers (the last ones) that keep their activations when enabled
     layers: int = 0
+    attention_layers: tuple[int, ...] = ()  # checkpointed layers whose recompute reuses their attention output
 
-    def line(self) -> str:
+    def line(self, field: str = "train.activation_checkpointing") -> str:
         if not self.enabled:
             what = "off"
-        elif self.keep_layers:
-            what = f"on for {self.layers - self.keep_layers} of {self.layers} layers"
         else:
-            what = "on"
-        return f"train.activation_checkpointing auto -> {what} ({self.reason})"
+            what = f"on for {self.layers - self.keep_layers} of {self.layers} layers" if self.keep_layers else "on"
+            checkpointed = self.layers - self.keep_layers
+            if self.attention_layers and len(self.attention_layers) >= checkpointed:
+                what += ", attention kept"
+            elif self.attention_layers:
+                what += f", attention kept in {len(self.attention_layers)} of them"
+            else:
+                what += ", attention recomputed"
+        return f"{field} auto -> {what} ({self.reason})"
 
 
 def needs_checkpointing(peak_gib: float, available_gib: float) -> bool:
@@ -70,26 +90,64 @@ def needs_checkpointing(peak_gib: float, available_gib: float) -> bool:
     return peak_gib + HEADROOM_GIB + HEADROOM_SHARE * peak_gib > available_gib
 
 
-def peak_keeping(peak_none: float, peak_all: float, layers: int, keep: int) -> float:
-    """Predicted peak with `keep` of `layers` decoder layers keeping their activations, the others
-    checkpointed: peak_all + keep (peak_none - peak_all) / layers."""
-    return peak_all + keep * (peak_none - peak_all) / max(1, layers)
+@dataclass(frozen=True)
+class PeakModel:
+    """The predicted peaks (GiB) a checkpointing setting lies between - each layer adds its share linearly -
+    and what each layer's recompute costs (forward FLOPs), to choose what to keep."""
+
+    none: float  # no layer checkpointed
+    all: float  # every layer checkpointed, attention recomputed
+    kept: float  # every layer checkpointed, every attention output kept
+    layers: int
+    attention_flops: tuple[float, ...] = ()  # per layer: its attention's forward (what keeping it saves)
+    other_flops: float = 0.0  # per layer: the rest of its forward (GEMMs), saved by not checkpointing it
+
+    def peak(self, keep: int = 0, attention: int = 0) -> float:
+        """`keep` layers un-checkpointed, `attention` of the checkpointed ones keeping their attention
+        outputs: all + keep (none - all) / layers + attention (kept - all) / layers."""
+        n = max(1, self.layers)
+        return self.all + keep * (self.none - self.all) / n + attention * (self.kept - self.all) / n
+
+    def _by_gain(self, candidates: range) -> list[int]:
+        flops = self.attention_flops or (1.0,) * self.layers
+        return sorted(candidates, key=lambda i: (-flops[i], -i))  # most FLOPs first, later layers on ties
+
+    def choose(self, available_gib: float, recompute_attention: bool | str = "auto") -> tuple[int, tuple[int, ...]]:
+        """(layers un-checkpointed - the last ones -, checkpointed layers keeping their attention outputs)
+        within `available_gib`. Every layer when the un-checkpointed step fits. recompute_attention true:
+        the most whole layers that fit; false: every checkpointed layer's attention and the most whole
+        layers on top; auto: of every split (k whole layers, then the attention outputs with the most FLOPs
+        among the others while they fit) the one whose recompute saves the most FLOPs - attention outputs
+        are a fifth of a layer's memory for most of a long-context layer's recompute."""
+        n = self.layers
+        if not needs_checkpointing(self.none, available_gib):
+            return n, ()
+
+        def fits(keep: int, attention: int) -> bool:
+            return not needs_checkpointing(self.peak(keep, attention), available_gib)
+
+        whole = [k for k in range(n) if fits(k, 0)]
+        if recompute_attention is True or not whole:
+            return (whole[-1] if whole else 0), ()
+        if recompute_attention is False:
+            keep = max([k for k in range(n) if fits(k, n - k)], default=0)
+            return keep, tuple(range(n - keep))
+        flops = self.attention_flops or (1.0,) * n
+        best: tuple[float, int, tuple[int, ...]] = (-1.0, 0, ())
+        for k in whole:
+            a = 0
+            while a < n - k and fits(k, a + 1):
+                a += 1
+            chosen = tuple(sorted(self._by_gain(range(n - k))[:a]))
+            saved = k * self.other_flops + sum(flops[n - k :]) + sum(flops[i] for i in chosen)
+            if saved > best[0]:
+                best = (saved, k, chosen)
+        return best[1], best[2]
 
 
-def layers_that_fit(peak_none: float, peak_all: float, layers: int, available_gib: float) -> int:
-    """How many decoder layers can keep their activations (the others checkpointed) within
-    `available_gib`: all when the un-checkpointed step fits, else the most k whose `peak_keeping` fits
-    (0: checkpoint every layer)."""
-    if not needs_checkpointing(peak_none, available_gib):
-        return layers
-    k = 0
-    while k + 1 < layers and not needs_checkpointing(peak_keeping(peak_none, peak_all, layers, k + 1), available_gib):
-        k += 1
-    return k
-
-
-def bdlm_peak_gib(workload, model, ctx, *, checkpointing: bool) -> float:
-    """Predicted peak GiB of this run's largest rank for a BDLM workload (ValueError: no memory model)."""
+def bdlm_peak_gib(workload, model, ctx, *, checkpointing: bool, attention_kept: bool = False) -> float:
+    """Predicted peak GiB of this run's largest rank for a BDLM workload (ValueError: no memory model);
+    attention_kept: checkpointed layers keep their attention outputs."""
     try:
         seq_len, objective, chunk = workload.seq_len, workload.objective, workload.ce_chunk_size
         config, block, rule = model.config, model.block_size, model.clean_within_block
@@ -105,37 +163,78 @@ def bdlm_peak_gib(workload, model, ctx, *, checkpointing: bool) -> float:
     return max(
         bdlm_step_memory(shape, s, views=views, elem_bytes=elem, state_bytes=4.0 * param_bytes,
                          checkpointing=checkpointing, ce_chunk=chunk, reserved_gib=0.0,
-                         residual_bytes=param_bytes).total + weight_copies
+                         residual_bytes=param_bytes, attention_kept=attention_kept).total + weight_copies
         for s in stats
     )  # fmt: skip
 
 
-def _available_gib(device: torch.device) -> float:
+def available_gib(device: torch.device) -> float:
+    """Memory this process can use on `device`: free + what it already holds (the model's weights)."""
     free, _total = torch.cuda.mem_get_info(device)
     return (free + torch.cuda.memory_allocated(device)) / GiB
 
 
-def resolve_checkpointing(workload, model, ctx) -> CheckpointingChoice:
-    """The `auto` decision for this rank (every rank of a run computes the same prediction; each rank's
-    free memory may differ, so the trainer takes the OR over ranks)."""
+def bdlm_peaks(workload, model, ctx) -> PeakModel:
+    """The three predicted peaks of this run and each layer's recompute FLOPs (ValueError: no memory model)."""
+    none = bdlm_peak_gib(workload, model, ctx, checkpointing=False)
+    every = bdlm_peak_gib(workload, model, ctx, checkpointing=True)
+    kept = bdlm_peak_gib(workload, model, ctx, checkpointing=True, attention_kept=True)
+    config = model.config
+    shape = load_shape(config.to_dict())
+    seq_len = workload.seq_len
+    attention = tuple(4.0 * shape.heads * shape.head_dim
+                      * bdlm_visible_pairs(seq_len, model.block_size, model.clean_within_block, w)
+                      for w in config_windows(config))  # fmt: skip
+    other = 2.0 * seq_len * shape.layer_gemm_flops_per_row()
+    return PeakModel(none, every, kept, shape.layers, attention, other)
+
+
+def resolve_checkpointing(
+    workload, model, ctx, recompute_attention: bool | str = "auto", available: float | None = None
+) -> CheckpointingChoice:
+    """The `auto` decision (`available`: the GiB every rank can use - the trainer passes the least over
+    ranks, so every rank decides the same; None: this device's). `recompute_attention`:
+    train.recompute_attention."""
     if ctx.device.type != "cuda":
         return CheckpointingChoice(False, "no GPU")
     try:
-        peak = bdlm_peak_gib(workload, model, ctx, checkpointing=False)
-        peak_all = bdlm_peak_gib(workload, model, ctx, checkpointing=True)
+        peaks = bdlm_peaks(workload, model, ctx)
     except ValueError as err:
         return CheckpointingChoice(False, str(err))
-    available = _available_gib(ctx.device)
-    layers = int(model.config.num_hidden_layers)
-    keep = layers_that_fit(peak, peak_all, layers, available)
-    on = keep < layers
-    verb = ">" if on else "<="
-    reason = f"predicted {peak:.1f} GiB without it + headroom {verb} {available:.1f} GiB"
-    if on:
-        reason += f"; {peak_all:.1f} GiB with every layer checkpointed"
-        if keep:
-            reason += f"; {peak_keeping(peak, peak_all, layers, keep):.1f} GiB as chosen"
-    return CheckpointingChoice(on, reason, keep_layers=keep if on else 0, layers=layers)
+    available = available_gib(ctx.device) if available is None else available
+    n = peaks.layers
+    keep, attention = peaks.choose(available, recompute_attention)
+    if keep == n:
+        return CheckpointingChoice(False, f"predicted {peaks.none:.1f} GiB without it + headroom <= "
+                                          f"{available:.1f} GiB", layers=n)  # fmt: skip
+    reason = (f"predicted {peaks.none:.1f} GiB without it + headroom > {available:.1f} GiB; {peaks.all:.1f} GiB "
+              f"with every layer checkpointed, {peaks.kept:.1f} GiB keeping every attention output; "
+              f"{peaks.peak(keep, len(attention)):.1f} GiB as chosen")  # fmt: skip
+    return CheckpointingChoice(True, reason, keep_layers=keep, layers=n, attention_layers=attention)
+
+
+def resolve_attention(
+    workload, model, ctx, recompute_attention: bool | str = "auto", available: float | None = None
+) -> CheckpointingChoice:
+    """Under an explicit `activation_checkpointing: true` (every layer checkpointed): which layers keep
+    their attention outputs - train.recompute_attention true: none, false: all, auto: those with the most
+    attention FLOPs while they fit (no GPU or no memory model: none, as without this option)."""
+    layers = int(getattr(getattr(model, "config", None), "num_hidden_layers", 0) or 0)
+    if recompute_attention != "auto" or ctx.device.type != "cuda":
+        kept = tuple(range(layers)) if recompute_attention is False else ()
+        return CheckpointingChoice(True, "as set" if recompute_attention != "auto" else "no GPU", layers=layers,
+                                   attention_layers=kept)  # fmt: skip
+    try:
+        peaks = bdlm_peaks(workload, model, ctx)
+    except ValueError as err:
+        return CheckpointingChoice(True, str(err), layers=layers)
+    available = available_gib(ctx.device) if available is None else available
+    count = 0
+    while count < layers and not needs_checkpointing(peaks.peak(0, count + 1), available):
+        count += 1
+    chosen = tuple(sorted(peaks._by_gain(range(layers))[:count]))
+    reason = f"{peaks.peak(0, count):.1f} GiB predicted, {available:.1f} GiB available"
+    return CheckpointingChoice(True, reason, layers=layers, attention_layers=chosen)
 
 
 def keep_activations(model: torch.nn.Module, keep: int) -> int:
@@ -145,3 +244,16 @@ def keep_activations(model: torch.nn.Module, keep: int) -> int:
     for m in layers[len(layers) - min(keep, len(layers)) :] if keep > 0 else []:
         m.gradient_checkpointing = False
     return min(max(keep, 0), len(layers))
+
+
+def keep_attention(model: torch.nn.Module, layers: tuple[int, ...]) -> tuple[int, ...]:
+    """The decoder layers (indices) whose checkpoint recompute reuses their attention outputs (the model's
+    `keep_attention_outputs`, models/bdlm/routing.py). Returns them."""
+    if not layers:
+        return ()
+    mark = getattr(model, "keep_attention_outputs", None)
+    if mark is None:
+        raise ValueError(f"train.recompute_attention: {type(model).__name__} cannot keep attention outputs; "
+                         "set train.recompute_attention: true")  # fmt: skip
+    mark(layers)
+    return tuple(layers)

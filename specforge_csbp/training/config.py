@@ -98,6 +98,12 @@ class TrainConfig(Section):
         description="checkpoint every decoder layer (recompute in backward); auto: only when the planner's "
         "memory model says the step would not fit in the GPU's memory without (training/checkpointing.py)",
     )
+    recompute_attention: bool | Literal["auto"] = Field(
+        "auto",
+        description="with activation checkpointing: true re-runs every layer's attention in the recompute; "
+        "false keeps each layer's attention output and saved tensors for it instead (no attention FLOPs or "
+        "collectives recomputed, more memory per layer); auto: false when the memory model says it fits",
+    )
     precision: Literal["auto", "float32", "bfloat16", "float64"] = Field(
         "auto",
         description="auto: bf16 autocast on GPU, float32 on CPU; bfloat16 = fp32 weights + bf16 autocast",

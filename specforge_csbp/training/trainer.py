@@ -24,6 +24,7 @@ import os
 import random
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +35,15 @@ from tqdm.auto import tqdm
 from ..distributed.launch import free_port, heartbeat, init_from_env, spawn
 from ..outputs import write_text_atomic
 from .checkpoint import load_trainer_state, save_checkpoint
-from .checkpointing import bdlm_peak_gib, keep_activations, peak_keeping, resolve_checkpointing
+from .checkpointing import (
+    CheckpointingChoice,
+    available_gib,
+    bdlm_peaks,
+    keep_activations,
+    keep_attention,
+    resolve_attention,
+    resolve_checkpointing,
+)
 from .context import TrainContext, build_context
 from .metrics import format_step, max_over_ranks, peak_device_tflops, peak_memory_gib, reset_peak_memory
 from .schedule import build_scheduler
@@ -96,8 +105,8 @@ def _build(workload: Workload, ctx: TrainContext, train: TrainConfig):
     torch.manual_seed(train.seed)
     model = workload.build_model(ctx).to(device=ctx.device, dtype=ctx.param_dtype)
     _broadcast_parameters(model)
-    enabled, keep = _checkpointing(train, workload, model, ctx)
-    if enabled:
+    plan = _checkpointing(train, workload, model, ctx)
+    if plan.enabled:
         enable = getattr(model, "enable_activation_checkpointing", None)
         if enable is None:
             raise ValueError(
@@ -105,7 +114,8 @@ def _build(workload: Workload, ctx: TrainContext, train: TrainConfig):
                 f"enable_activation_checkpointing()"
             )
         enable()
-        keep = keep_activations(model, keep)
+        keep = keep_activations(model, plan.keep_layers)
+        plan = replace(plan, keep_layers=keep, attention_layers=keep_attention(model, plan.attention_layers))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     on_gpu = ctx.device.type == "cuda"
@@ -118,40 +128,45 @@ def _build(workload: Workload, ctx: TrainContext, train: TrainConfig):
     scheduler = build_scheduler(
         optimizer, warmup_steps=train.warmup_steps, total_steps=train.steps, min_ratio=train.min_lr_ratio
     )
-    return model, optimizer, scheduler, (enabled, keep)
+    return model, optimizer, scheduler, plan
 
 
 def _checkpointing(
     train: TrainConfig, workload: Workload, model: torch.nn.Module, ctx: TrainContext
-) -> tuple[bool, int]:
-    """(checkpointing on?, layers that keep their activations): train.activation_checkpointing, with `auto`
-    decided from the memory model (training/checkpointing.py) - on, for the same layers, on every rank when
-    any rank needs it (a CSBP recompute re-runs collectives: every rank must recompute the same layers)."""
-    if train.activation_checkpointing != "auto":
-        return bool(train.activation_checkpointing), 0
-    choice = resolve_checkpointing(workload, model, ctx)
-    enabled = max_over_ranks(float(choice.enabled), ctx.device) > 0
-    mine = choice.keep_layers if choice.enabled else 0
-    keep = int(-max_over_ranks(-float(mine), ctx.device)) if enabled else 0  # the fewest kept over ranks
+) -> CheckpointingChoice:
+    """Checkpointing on?, the layers that keep their activations, and which checkpointed layers keep their
+    attention outputs: train.activation_checkpointing / recompute_attention, `auto` decided from the memory
+    model (training/checkpointing.py) and the least memory over ranks, so every rank decides the same (a
+    recompute re-runs the collectives of what it recomputes: every rank must recompute the same)."""
+    if train.activation_checkpointing is False:
+        return CheckpointingChoice(False)
+    available = None
+    if ctx.device.type == "cuda":
+        available = -max_over_ranks(-available_gib(ctx.device), ctx.device)
+    if train.activation_checkpointing is True:
+        choice = resolve_attention(workload, model, ctx, train.recompute_attention, available)
+        if ctx.is_main and train.recompute_attention == "auto":
+            print(f"specforge-csbp: {choice.line('train.recompute_attention')}", flush=True)
+        return choice
+    choice = resolve_checkpointing(workload, model, ctx, train.recompute_attention, available)
     if ctx.is_main:
-        note = "; on because another rank needs it" if enabled and not choice.enabled else ""
-        print(f"specforge-csbp: {choice.line()}{note}", flush=True)
-    return enabled, keep
+        print(f"specforge-csbp: {choice.line()}", flush=True)
+    return choice
 
 
 def _out_of_memory_advice(workload: Workload, model, ctx: TrainContext, train: TrainConfig, recipe: dict,
-                          checkpointing: tuple[bool, int]) -> str:  # fmt: skip
+                          checkpointing: CheckpointingChoice) -> str:  # fmt: skip
     """What a user changes after `StepOutOfMemory`: 'predicted peak 122.8 GiB of 139.8 GiB; set
     train.activation_checkpointing: true (now auto), lower data.max_length (now 32768) or
     objective.ce_chunk_size (now 4096), or add GPUs (parallel.cp_degree, now 1)' - the recipe's own fields
     where it has them; the prediction on GPUs, for workloads with a memory model (training/checkpointing.py)."""
-    enabled, keep = checkpointing
+    enabled, keep, attention = checkpointing.enabled, checkpointing.keep_layers, checkpointing.attention_layers
     layers = getattr(getattr(model, "config", None), "num_hidden_layers", 0) or 0
     predicted = ""
     if ctx.device.type == "cuda":
-        try:  # the memory model of the layout that ran (kept layers: between the two ends)
-            none, every = (bdlm_peak_gib(workload, model, ctx, checkpointing=c) for c in (False, True))
-            peak = none if not enabled else peak_keeping(none, every, layers, keep)
+        try:  # the memory model of the layout that ran
+            peaks = bdlm_peaks(workload, model, ctx)
+            peak = peaks.none if not enabled else peaks.peak(keep, len(attention))
             total = torch.cuda.mem_get_info(ctx.device)[1] / 2**30
             predicted = f"predicted peak {peak:.1f} GiB of {total:.1f} GiB; "
         except Exception:  # noqa: BLE001, S110 - no memory model for this workload: the line goes without it
@@ -162,6 +177,9 @@ def _out_of_memory_advice(workload: Workload, model, ctx: TrainContext, train: T
         todo.append(f"set train.activation_checkpointing: true (now {now})")
     elif keep:
         todo.append(f"set train.activation_checkpointing: true (auto checkpointed {layers - keep} of {layers} layers)")
+    if enabled and attention:
+        now = f"auto, which kept {len(attention)} layers' outputs" if train.recompute_attention == "auto" else "false"
+        todo.append(f"set train.recompute_attention: true (now {now})")
     fields = (("data", "max_length"), ("objective", "ce_chunk_size"))
     lower = [f"{sec}.{name} (now {v})" for sec, name in fields if (v := recipe.get(sec, {}).get(name))]
     if train.micro_batch_size > 1:

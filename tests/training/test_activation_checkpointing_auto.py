@@ -18,9 +18,10 @@ from specforge_csbp.training import checkpointing, trainer
 from specforge_csbp.training.checkpointing import (
     HEADROOM_GIB,
     HEADROOM_SHARE,
+    PeakModel,
     bdlm_peak_gib,
+    bdlm_peaks,
     keep_activations,
-    layers_that_fit,
     needs_checkpointing,
     resolve_checkpointing,
 )
@@ -70,15 +71,15 @@ def test_gemma3_recipe_checkpoints_more_layers_than_the_former_qwen3_constant_di
     new = decoder_layer_bytes_per_row(shape, 0, gemm_bytes=2, residual_bytes=4, gqa_packed=True)
     former = layer_activation_bytes_per_row(shape, 2) + 10 * shape.hidden
     assert new > 1.3 * former
-    peak, peak_all = (bdlm_peak_gib(workload, model, ctx, checkpointing=c) for c in (False, True))
-    keep = layers_that_fit(peak, peak_all, 26, 139.0)
-    assert 0 < keep < 13
-    assert needs_checkpointing(peak_all + 13 * (peak - peak_all) / 26, 139.0)  # the setting that ran out
-    assert not needs_checkpointing(peak_all + keep * (peak - peak_all) / 26, 139.0)
+    peaks = bdlm_peaks(workload, model, ctx)
+    keep, attention = peaks.choose(139.0, recompute_attention=True)
+    assert 0 < keep < 13 and attention == ()
+    assert needs_checkpointing(peaks.peak(13), 139.0)  # the setting that ran out
+    assert not needs_checkpointing(peaks.peak(keep), 139.0)
     _mock_gpu(monkeypatch, free_gib=136.0)
-    line = resolve_checkpointing(workload, model, ctx).line()
-    chosen = peak_all + keep * (peak - peak_all) / 26
-    assert f"on for {26 - keep} of 26 layers" in line and f"{chosen:.1f} GiB as chosen" in line
+    line = resolve_checkpointing(workload, model, ctx, recompute_attention=True).line()
+    assert f"on for {26 - keep} of 26 layers, attention recomputed" in line
+    assert f"{peaks.peak(keep):.1f} GiB as chosen" in line
 
 
 def test_qwen3_1p7b_needs_it_from_16k_on_one_h200():
@@ -91,13 +92,59 @@ def test_qwen3_1p7b_needs_it_from_16k_on_one_h200():
     assert bdlm_peak_gib(*_run(8192, micro=2), checkpointing=False) > bdlm_peak_gib(*_run(8192), checkpointing=False)
 
 
-def test_layers_that_fit_uses_the_per_layer_share():
-    limit = 100.0  # fits when peak * (1 + HEADROOM_SHARE) + HEADROOM_GIB <= limit
-    most = (limit - HEADROOM_GIB) / (1 + HEADROOM_SHARE)
-    assert layers_that_fit(most - 1, 10.0, 10, limit) == 10  # everything fits: no checkpointing
-    per = (200.0 - 10.0) / 10
-    assert layers_that_fit(200.0, 10.0, 10, limit) == int((most - 10.0) // per)
-    assert layers_that_fit(200.0, most + 1, 10, limit) == 0  # even fully checkpointed it is tight: all layers
+def test_peak_model_is_linear_in_kept_layers_and_attention_outputs():
+    peaks = PeakModel(none=210.0, all=10.0, kept=30.0, layers=10)
+    assert peaks.peak() == 10.0 and peaks.peak(10) == 210.0 and peaks.peak(0, 10) == 30.0
+    assert peaks.peak(3, 4) == pytest.approx(10.0 + 3 * 20.0 + 4 * 2.0)
+
+
+def _cap(peak: float) -> float:
+    """The memory at which a step predicted at `peak` just fits with headroom."""
+    return peak * (1 + HEADROOM_SHARE) + HEADROOM_GIB + 1e-9
+
+
+def test_choose_recompute_true_keeps_the_most_whole_layers_that_fit():
+    peaks = PeakModel(none=210.0, all=10.0, kept=30.0, layers=10)
+    assert peaks.choose(_cap(210.0)) == (10, ())  # everything fits: no checkpointing
+    assert peaks.choose(_cap(70.0), recompute_attention=True) == (3, ())
+    assert peaks.choose(_cap(69.0), recompute_attention=True) == (2, ())
+    assert peaks.choose(_cap(9.0), recompute_attention=True) == (0, ())  # even fully checkpointed it is tight
+
+
+def test_choose_recompute_false_keeps_every_attention_output_and_whole_layers_on_top():
+    peaks = PeakModel(none=210.0, all=10.0, kept=30.0, layers=10)
+    # k whole layers + (10 - k) attention outputs: 10 + 20 k + 2 (10 - k) = 30 + 18 k
+    assert peaks.choose(_cap(66.0), recompute_attention=False) == (2, tuple(range(8)))
+    assert peaks.choose(_cap(30.0), recompute_attention=False) == (0, tuple(range(10)))
+
+
+def test_auto_keeps_the_attention_outputs_with_the_most_flops_first():
+    """Full-attention layers (many FLOPs) before sliding ones (few); when every output fits, whole layers
+    on top; and whole layers instead when their GEMMs save more than the attention outputs they displace."""
+    flops = (1.0, 1.0, 50.0, 1.0, 1.0, 50.0, 1.0, 1.0, 1.0, 50.0)
+    peaks = PeakModel(none=210.0, all=10.0, kept=30.0, layers=10, attention_flops=flops, other_flops=5.0)
+    assert peaks.choose(_cap(16.0)) == (0, (2, 5, 9))  # room for 3 outputs: the three full layers
+    assert peaks.choose(_cap(17.9)) == (0, (2, 5, 9))
+    assert peaks.choose(_cap(18.0)) == (0, (2, 5, 8, 9))  # a fourth: the latest sliding layer
+    keep, attention = peaks.choose(_cap(66.0))  # every output fits with whole layers on top
+    assert keep == 2 and attention == tuple(range(8))
+    gemm_heavy = PeakModel(none=210.0, all=10.0, kept=30.0, layers=10, attention_flops=(1.0,) * 10,
+                           other_flops=100.0)  # fmt: skip
+    keep, attention = gemm_heavy.choose(_cap(31.0))  # one whole layer (20 GiB) beats 10 outputs (2 GiB each)
+    assert keep == 1 and len(attention) == 0
+
+
+def test_qwen3_1p7b_at_64k_keeps_attention_instead_of_a_layer():
+    """The 64K profile point: recomputing attention, a layer or two fit un-checkpointed; keeping attention,
+    many more layers' outputs do (each a tenth of a layer's memory, 3/4 of its recompute's FLOPs at 64K)."""
+    peaks = bdlm_peaks(*_run(65536))
+    whole, none_kept = peaks.choose(139.0, recompute_attention=True)
+    assert 0 < whole < 4 and none_kept == ()
+    keep, attention = peaks.choose(139.0)
+    assert keep == 0 and len(attention) > 4 * whole
+    assert not needs_checkpointing(peaks.peak(0, len(attention)), 139.0)
+    assert needs_checkpointing(peaks.peak(0, len(attention) + 1), 139.0)
+    assert sum(peaks.attention_flops) > 2 * 28 * peaks.other_flops  # attention dominates a 64K layer
 
 
 def test_partial_checkpointing_keeps_the_last_layers_and_the_gradients():
@@ -146,14 +193,25 @@ def test_resolve_reads_free_plus_held_memory(monkeypatch):
 def test_trainer_applies_auto_and_keeps_explicit_values(monkeypatch, capsys):
     _mock_gpu(monkeypatch, free_gib=136.0)
     workload, model, ctx = _run(16384)
-    assert TrainConfig().activation_checkpointing == "auto"
-    enabled, keep = trainer._checkpointing(TrainConfig(), workload, model, ctx)
-    assert enabled and 0 < keep < 28  # 16K: most layers keep their activations, a few are recomputed
-    assert f"train.activation_checkpointing auto -> on for {28 - keep} of 28 layers" in capsys.readouterr().out
+    assert TrainConfig().activation_checkpointing == "auto" and TrainConfig().recompute_attention == "auto"
+    plan = trainer._checkpointing(TrainConfig(), workload, model, ctx)
+    assert plan.enabled and 0 < plan.keep_layers < 28  # 16K: most layers keep their activations
+    assert plan.attention_layers == tuple(range(28 - plan.keep_layers))  # every checkpointed layer's attention
+    out = capsys.readouterr().out
+    assert f"train.activation_checkpointing auto -> on for {28 - plan.keep_layers} of 28 layers, attention kept" in out
+    recompute = trainer._checkpointing(TrainConfig(recompute_attention=True), workload, model, ctx)
+    assert recompute.enabled and recompute.attention_layers == () and recompute.keep_layers > plan.keep_layers
     workload8, model8, ctx8 = _run(8192)
-    assert trainer._checkpointing(TrainConfig(), workload8, model8, ctx8) == (False, 0)
-    assert trainer._checkpointing(TrainConfig(activation_checkpointing=False), workload, model, ctx) == (False, 0)
-    assert trainer._checkpointing(TrainConfig(activation_checkpointing=True), workload8, model8, ctx8) == (True, 0)
+    assert not trainer._checkpointing(TrainConfig(), workload8, model8, ctx8).enabled
+    assert not trainer._checkpointing(TrainConfig(activation_checkpointing=False), workload, model, ctx).enabled
+    explicit = trainer._checkpointing(TrainConfig(activation_checkpointing=True), workload8, model8, ctx8)
+    assert explicit.enabled and explicit.keep_layers == 0 and explicit.attention_layers == tuple(range(28))
+    assert "train.recompute_attention auto -> on, attention kept" in capsys.readouterr().out
+    as_set = trainer._checkpointing(TrainConfig(activation_checkpointing=True, recompute_attention=False),
+                                    workload8, model8, ctx8)  # fmt: skip
+    assert as_set.attention_layers == tuple(range(28)) and capsys.readouterr().out == ""
     assert resolve_checkpointing(*_run(131072)).keep_layers == 0  # 128K: every layer checkpointed
     with pytest.raises(ValueError):
         TrainConfig(activation_checkpointing="sometimes")
+    with pytest.raises(ValueError, match="recompute_attention"):
+        TrainConfig(recompute_attention="sometimes")

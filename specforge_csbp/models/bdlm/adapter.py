@@ -23,7 +23,7 @@ from torch import nn
 
 from ...masks.visibility import CLEAN_RULES
 from ...parallel import AttentionOptions, ShardedAttention, bdlm_attention
-from .routing import ATTENTION_NAME, ROUTE_KWARG, Route, check_routable, register_attention
+from .routing import ATTENTION_NAME, ROUTE_KWARG, Route, check_routable, keep_attention_outputs, register_attention
 
 __all__ = ["BDLMModel"]
 
@@ -151,13 +151,23 @@ class BDLMModel(nn.Module):
         head = self.lm.get_output_embeddings()
         return head.weight, head.bias
 
-    def enable_activation_checkpointing(self) -> None:
-        """Checkpoint every decoder layer (non-reentrant, so keyword inputs such as the route survive)."""
+    def enable_activation_checkpointing(self, *, keep_attention: bool = False) -> None:
+        """Checkpoint every decoder layer (non-reentrant, so keyword inputs such as the route survive).
+        keep_attention: the recompute takes each layer's attention output from its forward instead of
+        attending again (routing.py; the memory: planner/memory.py attention_bytes_per_row)."""
         enable = getattr(self.lm, "activation_checkpointing_enable", None)
         if enable is not None:
             enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:  # transformers < 5
             self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if keep_attention:
+            self.keep_attention_outputs(range(len(self.lm.base_model.layers)))
+
+    def keep_attention_outputs(self, layers) -> int:
+        """The decoder layers at these indices reuse their attention outputs in their checkpoint recompute
+        (routing.py). Returns how many."""
+        decoder = self.lm.base_model.layers
+        return keep_attention_outputs([decoder[i] for i in layers])
 
     def attention(
         self, mode: str, seq_len: int, group: dist.ProcessGroup | None = None

@@ -18,6 +18,20 @@ that layer then runs the executor's windowed sibling (`ShardedAttention.windowed
 same visibility rule with the window on clean keys (masks/visibility.py, docs/bdlm.md). Full layers run
 the executor itself.
 
+Kept attention under activation checkpointing (`keep_attention_outputs`, train.recompute_attention): a
+checkpointed layer normally runs its whole forward again in backward, attention (the largest share of a
+long-context layer's FLOPs) and its collectives included. With attention kept, the attention call saves
+what its backward needs (q, k, v, out, lse, gathered K/V) outside the checkpoint, and the recompute takes
+the output it already has instead of attending again:
+
+    forward   [norms, q/k/v proj ─► attention ─► o_proj, MLP]   checkpoint drops all saved tensors but
+                                    saves q,k,v,out,lse          attention's (kept on the layer's route)
+    backward  recompute [norms, q/k/v proj ─► (out, kept) ─► o_proj, MLP]  no attention, no collectives
+              then the original graph's backward, attention's node on its own saved tensors
+
+The gradients are the un-checkpointed ones exactly (the same graph, the same saved values); the memory is
+`planner/memory.py: attention_bytes_per_row` per row and layer.
+
 Models we cannot route fail with one line naming the model and the reason (`check_routable`).
 """
 
@@ -26,24 +40,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd.graph import saved_tensors_hooks
 from torch import nn
 
 from ...parallel import ShardedAttention
 
 __all__ = [
     "ATTENTION_NAME",
+    "KEEP_ATTENTION",
     "ROUTABLE_LAYER_TYPES",
     "ROUTE_KWARG",
     "Route",
     "check_routable",
     "check_windows",
     "config_windows",
+    "keep_attention_outputs",
     "register_attention",
     "routed_attention",
 ]
 
 ATTENTION_NAME = "specforge_csbp"
 ROUTE_KWARG = "csbp_route"
+KEEP_ATTENTION = "csbp_keep_attention"  # attribute of an attention module whose output its recompute reuses
 
 # Layer types the rule does not model, and why (config.layer_types; anything else unknown is refused too).
 ROUTABLE_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -73,6 +91,7 @@ class Route:
     seq_len: int
     calls: int = 0
     windows: list[int | None] = field(default_factory=list)  # each routed call's window (None: full)
+    kept: dict[int, torch.Tensor] = field(default_factory=dict)  # id(attention module) -> its kept output
 
     def executor(self, window: int | None, module: str) -> ShardedAttention:
         """The executor of a layer with sliding window `window` (None or >= seq_len: the full one)."""
@@ -125,8 +144,39 @@ def routed_attention(
     )
     query, key, value = (t.to(dtype) for t in (query, key, value))
     route.calls += 1
-    out, _ = executor(query, key, value, scale=scaling)
+    if not (getattr(module, KEEP_ATTENTION, False) and torch.is_grad_enabled()):
+        out, _ = executor(query, key, value, scale=scaling)
+        return out.transpose(1, 2), None
+    kept = route.kept.get(id(module))
+    if kept is not None:
+        if not _in_backward():
+            raise RuntimeError(f"{name}: one attention module called twice in a forward; cannot keep its output")
+        return kept.transpose(1, 2), None  # a checkpointed layer's recompute: the output it has, no attention
+    # the innermost saved-tensor hooks win: these keep attention's saved tensors out of a checkpoint's hooks
+    with saved_tensors_hooks(_keep, _keep):
+        out, _ = executor(query, key, value, scale=scaling)
+    route.kept[id(module)] = out
     return out.transpose(1, 2), None
+
+
+def keep_attention_outputs(layers: list[nn.Module]) -> int:
+    """Mark the attention module (`self_attn`) of each decoder layer in `layers` to keep its output for
+    the layer's checkpoint recompute. Returns how many were marked."""
+    for layer in layers:
+        attn = getattr(layer, "self_attn", None)
+        if attn is None:
+            raise ValueError(f"model: {type(layer).__name__} has no self_attn; its attention cannot be kept")
+        setattr(attn, KEEP_ATTENTION, True)
+    return len(layers)
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _in_backward() -> bool:
+    """Inside an autograd graph task: where torch.utils.checkpoint recomputes a layer."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def register_attention() -> None:

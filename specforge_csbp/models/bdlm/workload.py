@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ...layout.cost import bdlm_visible_pairs
 from ...objectives.convert import ConvertObjective
 from ...objectives.noise import BDLMBatch, sequence_seed
 from ...objectives.router_aux import ROUTER_AUX_TOKENS, router_aux_numerator, router_aux_rows
@@ -31,18 +32,6 @@ __all__ = ["BDLMMicroBatch", "BDLMWorkload", "bdlm_model_flops"]
 class BDLMMicroBatch:
     batch: BDLMBatch  # this rank's rows, on the training device
     denominator: float  # this rank's share of the global denominator
-
-
-def _visible_pairs(seq_len: int, block_size: int, clean_within_block: str, window: int | None = None) -> int:
-    """Attention (query, key) pairs of one 2L sequence under the visibility rule (with a sliding window
-    of `window` clean keys measured from each query's position; None: full attention)."""
-    pos = torch.arange(seq_len, dtype=torch.float64)
-    start = torch.div(pos, block_size, rounding_mode="floor") * block_size
-    lo = (pos - window + 1).clamp_min(0) if window is not None else torch.zeros_like(pos)
-    clean_hi = pos + 1 if clean_within_block == "causal" else start + block_size
-    clean = (clean_hi - lo).sum()
-    noisy = (block_size + (start - lo).clamp_min(0)).sum()
-    return int(clean + noisy)
 
 
 def _matmul_params(model: BDLMModel) -> float:
@@ -84,7 +73,7 @@ def bdlm_model_flops(model: BDLMModel, *, seq_len: int, sequences: int, supervis
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     windows = model.layer_windows or tuple(config_windows(cfg)) or (None,) * cfg.num_hidden_layers
     pairs = sum(
-        _visible_pairs(seq_len, model.block_size, model.clean_within_block, w if w and w < seq_len else None)
+        bdlm_visible_pairs(seq_len, model.block_size, model.clean_within_block, w if w and w < seq_len else None)
         for w in windows
     )
     rows = 2 * seq_len * sequences

@@ -25,7 +25,8 @@ from typing import Any
 
 from transformers import Qwen3Config
 
-__all__ = ["DFLASH2_ARCH", "DFLASH_ARCH", "DFlashConfig", "build_target_layer_ids", "make_dflash_config"]
+__all__ = ["DFLASH2_ARCH", "DFLASH2_FIELDS", "DFLASH_ARCH", "DFlashConfig", "build_target_layer_ids",
+           "make_dflash_config", "plain_dflash"]  # fmt: skip
 
 DFLASH_ARCH = "DFlashDraftModel"
 DFLASH2_ARCH = "DFlash2DraftModel"
@@ -39,6 +40,18 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
         return [num_target_layers // 2]
     start, end = 1, num_target_layers - 3
     return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+#: dflash_config fields only DFlash2 has: the grouped dynamic convolution and the candidate selector
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def plain_dflash(raw: dict[str, Any]) -> dict[str, Any]:
+    """A config.json dict of a DFlash2 drafter as plain DFlash (what SpecForge 0.2.0 trains): the same
+    layers, widths and block size without the convolutions and the selector."""
+    out = dict(raw, architectures=[DFLASH_ARCH])
+    out["dflash_config"] = {k: v for k, v in (raw.get("dflash_config") or {}).items() if k not in DFLASH2_FIELDS}
+    return out
 
 
 class DFlashConfig(Qwen3Config):

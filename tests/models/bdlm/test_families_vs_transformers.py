@@ -182,13 +182,13 @@ def test_pretrained_checkpoint_round_trip(name, tmp_path):
 
 @pytest.mark.parametrize("window, clean", [(None, "causal"), (6, "causal"), (6, "bidirectional"), (9, "causal")])
 def test_flops_count_the_visible_pairs_of_each_window(window, clean):
+    from specforge_csbp.layout.cost import bdlm_visible_pairs
     from specforge_csbp.layout.plans import bdlm_plan
     from specforge_csbp.masks.visibility import Visibility
-    from specforge_csbp.models.bdlm.workload import _visible_pairs
 
     plan = bdlm_plan("reference", 24, S, 1)[0]
     dense = Visibility(plan.q_tokens, plan.kv_tokens, S, clean, window=window).dense()
-    assert _visible_pairs(24, S, clean, window) == int(dense.sum())
+    assert bdlm_visible_pairs(24, S, clean, window) == int(dense.sum())
 
 
 def test_flops_count_active_experts_only():

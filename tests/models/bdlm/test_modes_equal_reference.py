@@ -10,7 +10,8 @@ modes share the executor, the plans are covered above) to keep the test short. A
 spawned group of 4 gloo ranks (sub-groups of 2 and 3), built through the same workload / step functions the
 trainer uses (global denominator, summed gradients). transformers' RMSNorms compute in float32 whatever the
 input dtype, MoE routers their softmax; `float64_norms` / `float64_routers` keep them float64 so the model
-is a float64 oracle (see their docstrings).
+is a float64 oracle (see their docstrings). Activation checkpointing - every layer recomputed, or with
+its attention output kept - is checked the same way against the un-checkpointed reference.
 """
 
 from __future__ import annotations
@@ -47,19 +48,26 @@ ALL_MODES = [
 ]
 SOME_MODES = [("csbp", 2), ("csbp", 3), ("csbp", 4), ("cp", 3), ("bp", 4)]
 
-# (model, objective, clean_within_block, router_aux_tokens) -> modes
+# (model, objective, clean_within_block, router_aux_tokens, activation checkpointing) -> modes; the
+# reference of every setup runs un-checkpointed, so a checkpointed setup is checked against plain autograd:
+# "recompute" re-runs every layer (attention and its collectives too), "kept" keeps attention's outputs
+# (models/bdlm/routing.py)
 SETUPS = {
-    ("qwen3", "sft", "causal", "both"): ALL_MODES,
-    ("qwen3", "convert", "causal", "both"): ALL_MODES,
-    ("llama", "sft", "causal", "both"): ALL_MODES,
-    ("llama", "convert", "causal", "both"): ALL_MODES,
-    ("qwen3", "sft", "bidirectional", "both"): ALL_MODES,
-    ("qwen2", "sft", "causal", "both"): SOME_MODES,
-    ("qwen2", "convert", "causal", "both"): SOME_MODES,
-    ("gemma3", "sft", "causal", "both"): SOME_MODES,
-    ("gemma3", "convert", "bidirectional", "both"): SOME_MODES,
-    ("qwen3_moe", "sft", "causal", "both"): SOME_MODES,
-    ("qwen3_moe", "convert", "causal", "corrupted"): [("csbp", 3), ("bp", 3)],
+    ("qwen3", "sft", "causal", "both", None): ALL_MODES,
+    ("qwen3", "convert", "causal", "both", None): ALL_MODES,
+    ("llama", "sft", "causal", "both", None): ALL_MODES,
+    ("llama", "convert", "causal", "both", None): ALL_MODES,
+    ("qwen3", "sft", "bidirectional", "both", None): ALL_MODES,
+    ("qwen2", "sft", "causal", "both", None): SOME_MODES,
+    ("qwen2", "convert", "causal", "both", None): SOME_MODES,
+    ("gemma3", "sft", "causal", "both", None): SOME_MODES,
+    ("gemma3", "convert", "bidirectional", "both", None): SOME_MODES,
+    ("qwen3_moe", "sft", "causal", "both", None): SOME_MODES,
+    ("qwen3_moe", "convert", "causal", "corrupted", None): [("csbp", 3), ("bp", 3)],
+    ("qwen3", "sft", "causal", "both", "recompute"): [("csbp", 3), ("cp", 2)],
+    ("qwen3", "sft", "causal", "both", "kept"): SOME_MODES,
+    ("gemma3", "convert", "causal", "both", "kept"): [("csbp", 2), ("cp", 3)],
+    ("qwen3_moe", "sft", "causal", "both", "kept"): [("csbp", 4)],
 }
 
 
@@ -88,13 +96,16 @@ def _objective(name: str):
 NORMS = {"qwen3": 9, "llama": 5, "qwen2": 5, "gemma3": 13, "qwen3_moe": 9}  # RMSNorms kept float64
 
 
-def _workload(model_name: str, objective: str, clean: str, aux_tokens: str = "both") -> BDLMWorkload:
+def _workload(model_name: str, objective: str, clean: str, aux_tokens: str = "both",
+              checkpointing: str | None = None, *, reference: bool = False) -> BDLMWorkload:  # fmt: skip
     def make():
         torch.manual_seed(0)
         model = BDLMModel.from_config(TINY_CONFIGS[model_name], dtype=torch.float64, block_size=BLOCK,
                                       clean_within_block=clean, backend="dense")  # fmt: skip
         assert float64_norms(model.lm) == NORMS[model_name]
         assert float64_routers(model.lm) == (2 if model_name == "qwen3_moe" else 0)
+        if checkpointing and not reference:
+            model.enable_activation_checkpointing(keep_attention=checkpointing == "kept")
         return model
 
     # llama runs the unit-weight / masked-denominator SFT variant, qwen3 the 1/t / eligible one
@@ -104,8 +115,9 @@ def _workload(model_name: str, objective: str, clean: str, aux_tokens: str = "bo
 
 
 def loss_and_grads(setup, mode: str, group) -> tuple[float, dict[str, torch.Tensor]]:
-    """One step's loss and summed gradients on this rank's share (mode 'reference' when group is None)."""
-    workload = _workload(*setup)
+    """One step's loss and summed gradients on this rank's share (mode 'reference' when group is None: never
+    checkpointed)."""
+    workload = _workload(*setup, reference=group is None)
     ctx = types.SimpleNamespace(mode=mode, cp_group=group, attention_backend="dense", attention_schedule=None)
     model = workload.build_model(ctx)
     assert workload.aux_coef == (0.05 if setup[0] == "qwen3_moe" else 0.0)
