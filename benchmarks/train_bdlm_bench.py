@@ -35,6 +35,9 @@ STEP_LINE = re.compile(
 )
 
 
+#: the trainer's line saying what `auto` chose (training/checkpointing.py)
+CHOICE_LINE = re.compile(r"specforge-csbp: (train\.(?:activation_checkpointing|recompute_attention) auto -> .*)")
+
 #: a line naming an error: `SomeError: ...`, `StepOutOfMemory: ...`, argparse's `...: error: ...`, a timeout
 ERROR_LINE = re.compile(r"(Error|Exception|OutOfMemory)\w*:|\berror:|^timeout:")
 
@@ -98,8 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join(["python3", "benchmarks/train_bdlm_bench.py", *sys.argv[1:]]),
         "code": library_digest(), "mfu": med("mfu"), "trainer": "specforge-csbp train-bdlm",
         "model": (recipe.model.config or {}).get("model_type", recipe.model.pretrained),
-        "activation_checkpointing": recipe.train.activation_checkpointing, "steps": steps,
+        "activation_checkpointing": recipe.train.activation_checkpointing,
+        "recompute_attention": recipe.train.recompute_attention, "steps": steps,
     }  # fmt: skip
+    choice = CHOICE_LINE.search(text)  # what auto chose, as the trainer printed it
+    if choice:
+        record["checkpointing_choice"] = choice.group(1)
     if record["status"] != "ok":
         record["error"] = error or "no step line: see the log"
         record["log"] = log
