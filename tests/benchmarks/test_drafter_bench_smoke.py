@@ -53,8 +53,28 @@ def test_drafter_bench_runs_a_drafter_config_file(tmp_path):
         assert (r.model_extra or {})["dflash2"] is True  # what the file says
 
 
-def test_drafter_bench_refuses_a_dflash2_flag_that_contradicts_the_config_file():
-    proc = subprocess.run([sys.executable, "benchmarks/drafter_bench.py", "--smoke", "--no-dflash2", "--draft-config",
-                           "examples/quickstart_drafter.json"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, check=False)  # fmt: skip
-    assert proc.returncode != 0 and "is DFlash2DraftModel; drop --dflash2 / --no-dflash2" in proc.stdout + proc.stderr
+def test_no_dflash2_runs_a_dflash2_config_file_as_plain_dflash(tmp_path):
+    """--no-dflash2 with a DFlash2 config: the same layers, widths and block size without the convolutions and
+    the selector (`plain_dflash`, what trainer_bench.py --no-dflash2 trains); --dflash2 with a plain config
+    is refused in one line."""
+    import argparse
+    import json
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import drafter_bench
+
+    from specforge_csbp.models.dflash.configuration import DFLASH2_FIELDS, plain_dflash
+
+    src = ROOT / "drafter_configs" / "qwen3.6-27b-dflash2.json"
+    args = argparse.Namespace(draft_config=str(src), dflash2=False, block_size=None, smoke=True, shape="a")
+    name, config = drafter_bench.build_config(args)
+    raw = json.loads(src.read_text())
+    assert name == "qwen3.6-27b-dflash" and not config.is_dflash2
+    assert (config.draft_block_size, config.num_hidden_layers, config.hidden_size) == (
+        raw["dflash_config"]["block_size"], raw["num_hidden_layers"], raw["hidden_size"])  # fmt: skip
+    assert not set(DFLASH2_FIELDS) & set(config.dflash)
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(plain_dflash(raw)))
+    proc = subprocess.run([sys.executable, "benchmarks/drafter_bench.py", "--smoke", "--dflash2", "--draft-config",
+                           str(plain)], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    assert proc.returncode != 0 and "is DFlashDraftModel; drop --dflash2" in proc.stdout + proc.stderr

@@ -136,7 +136,7 @@ def test_the_advice_names_the_prediction_and_the_recipes_fields(monkeypatch):
     device) and, with checkpointing on for some layers, says how many."""
     import torch
 
-    from specforge_csbp.training.checkpointing import bdlm_peak_gib
+    from specforge_csbp.training.checkpointing import CheckpointingChoice, bdlm_peaks
     from specforge_csbp.training.config import TrainConfig
     from specforge_csbp.training.trainer import _out_of_memory_advice
     from tests.training.test_activation_checkpointing_auto import _run
@@ -144,21 +144,29 @@ def test_the_advice_names_the_prediction_and_the_recipes_fields(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 139 * 2**30))
     workload, model, ctx = _run(16384)
     recipe = {"data": {"max_length": 16384}, "objective": {"ce_chunk_size": 4096}}
-    none, every = (bdlm_peak_gib(workload, model, ctx, checkpointing=c) for c in (False, True))
-    assert _out_of_memory_advice(workload, model, ctx, TrainConfig(), recipe, (False, 0)) == (
-        f"predicted peak {none:.1f} GiB of 139.0 GiB; set train.activation_checkpointing: true (now auto, which "
-        "chose off), lower data.max_length (now 16384) or objective.ce_chunk_size (now 4096), or add GPUs "
+    peaks = bdlm_peaks(workload, model, ctx)
+    off = CheckpointingChoice(False)
+    assert _out_of_memory_advice(workload, model, ctx, TrainConfig(), recipe, off) == (
+        f"predicted peak {peaks.none:.1f} GiB of 139.0 GiB; set train.activation_checkpointing: true (now auto, "
+        "which chose off), lower data.max_length (now 16384) or objective.ce_chunk_size (now 4096), or add GPUs "
         "(parallel.cp_degree, now 1)"
     )
     layers = model.config.num_hidden_layers
     train = TrainConfig(micro_batch_size=2)  # auto, which checkpointed all but the last 4 layers
-    assert _out_of_memory_advice(workload, model, ctx, train, {}, (True, 4)) == (
-        f"predicted peak {every + 4 * (none - every) / layers:.1f} GiB of 139.0 GiB; set "
+    four = CheckpointingChoice(True, keep_layers=4, layers=layers)
+    assert _out_of_memory_advice(workload, model, ctx, train, {}, four) == (
+        f"predicted peak {peaks.peak(4):.1f} GiB of 139.0 GiB; set "
         f"train.activation_checkpointing: true (auto checkpointed {layers - 4} of {layers} layers), lower "
         "train.micro_batch_size (now 2), or add GPUs (parallel.cp_degree, now 1)"
     )
+    kept = CheckpointingChoice(True, layers=layers, attention_layers=(20, 21, 22))  # auto kept 3 outputs
+    assert _out_of_memory_advice(workload, model, ctx, train, {}, kept) == (
+        f"predicted peak {peaks.peak(0, 3):.1f} GiB of 139.0 GiB; set train.recompute_attention: true (now auto, "
+        "which kept 3 layers' outputs), lower train.micro_batch_size (now 2), or add GPUs (parallel.cp_degree, "
+        "now 1)"
+    )
     ctx.device = torch.device("cpu")  # no prediction off the GPU; every layer checkpointed: sizes and GPUs
-    assert _out_of_memory_advice(workload, model, ctx, train, recipe, (True, 0)) == (
+    assert _out_of_memory_advice(workload, model, ctx, train, recipe, CheckpointingChoice(True)) == (
         "lower data.max_length (now 16384), objective.ce_chunk_size (now 4096) or train.micro_batch_size (now 2), "
         "or add GPUs (parallel.cp_degree, now 1)"
     )
