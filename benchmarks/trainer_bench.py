@@ -292,13 +292,41 @@ def _metric(m: dict, name: str) -> float | None:
 
 
 # -- the profiled steps ------------------------------------------------------------------------------------
+def _union_ms(intervals: list[tuple[float, float]]) -> tuple[float, list[tuple[float, float]]]:
+    """Total length (ms) of a union of [start, end) intervals (us) and the merged intervals."""
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return sum(b - a for a, b in merged) / 1e3, merged
+
+
+def _overlap_ms(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length (ms) of the intersection of two merged interval lists (us)."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        i, j = (i + 1, j) if a[i][1] < b[j][1] else (i, j + 1)
+    return total / 1e3
+
+
 def trace_summary(path: str, steps: int) -> dict[str, float]:
-    """Per-step optimizer time and host syncs from a chrome trace of `steps` optimizer steps."""
+    """Per-step optimizer time, host syncs and GPU streams from a chrome trace of `steps` optimizer steps.
+
+    The compute stream is the one with the most kernel time; every other stream's work (the prefetcher's
+    feature copies and index staging) is `side_stream_ms`, and `side_stream_hidden` the share of it that
+    ran while the compute stream was busy (1.0: entirely off the critical path). `compute_idle_ms`: gaps
+    in the compute stream between its first and last kernel of the profiled window."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         events = json.load(f).get("traceEvents", [])
     opt_ms = zero_ms = sync_ms = kernel_ms = 0.0
     syncs = items = 0
+    busy: dict[object, list[tuple[float, float]]] = {}
     for e in events:
         if e.get("ph") != "X":
             continue
@@ -313,9 +341,22 @@ def trace_summary(path: str, steps: int) -> dict[str, float]:
             items += 1
         if e.get("cat") == "kernel":
             kernel_ms += dur
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            start = float(e.get("ts", 0.0))
+            busy.setdefault((e.get("args") or {}).get("stream"), []).append((start, start + float(e.get("dur", 0.0))))
     n = max(1, steps)
-    return {"optimizer": (opt_ms + zero_ms) / n, "host_sync_ms": sync_ms / n, "host_syncs": syncs / n,
-            "item_calls": items / n, "gpu_kernels_ms": kernel_ms / n}  # fmt: skip
+    out = {"optimizer": (opt_ms + zero_ms) / n, "host_sync_ms": sync_ms / n, "host_syncs": syncs / n,
+           "item_calls": items / n, "gpu_kernels_ms": kernel_ms / n}  # fmt: skip
+    if busy:
+        unions = {stream: _union_ms(iv) for stream, iv in busy.items()}
+        compute = max(unions, key=lambda st: unions[st][0])
+        compute_ms, compute_iv = unions[compute]
+        side = [iv for st, ivs in busy.items() if st != compute for iv in ivs]
+        side_ms, side_iv = _union_ms(side)
+        window = (compute_iv[-1][1] - compute_iv[0][0]) / 1e3
+        out.update(compute_idle_ms=(window - compute_ms) / n, side_stream_ms=side_ms / n,
+                   side_stream_hidden=_overlap_ms(side_iv, compute_iv) / side_ms if side_ms else 1.0)  # fmt: skip
+    return out
 
 
 def newest_trace(output_dir: str) -> str | None:
@@ -377,6 +418,8 @@ def make_record(args, mode, length, block_size, log, peak, rc, device_name, name
         }
         record.update(host_syncs_per_step=prof["host_syncs"], item_calls_per_step=prof["item_calls"],
                       gpu_kernels_ms=round(prof["gpu_kernels_ms"], 2))  # fmt: skip
+        record.update({k: round(prof[k], 3) for k in ("compute_idle_ms", "side_stream_ms", "side_stream_hidden")
+                       if k in prof})  # fmt: skip
     return record
 
 

@@ -38,7 +38,25 @@ def test_step_lines_and_trace_summary(tmp_path):
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
     s = trainer_bench.trace_summary(str(path), steps=2)
-    assert s == {"optimizer": 2.0, "host_sync_ms": 0.25, "host_syncs": 0.5, "item_calls": 0.5, "gpu_kernels_ms": 4.0}
+    assert s == {"optimizer": 2.0, "host_sync_ms": 0.25, "host_syncs": 0.5, "item_calls": 0.5, "gpu_kernels_ms": 4.0,
+                 "compute_idle_ms": 0.0, "side_stream_ms": 0.0, "side_stream_hidden": 1.0}  # fmt: skip
+
+
+def test_trace_summary_reads_the_side_streams_overlap(tmp_path):
+    """Compute stream 7: kernels at [0, 10) and [15, 30) ms (5 ms idle between); side stream 20: a copy at
+    [8, 18) ms - 2 + 3 of its 10 ms run while stream 7 is busy - and a memset inside [20, 21)."""
+    ms = 1000.0
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "a", "ts": 0, "dur": 10 * ms, "args": {"stream": 7}},
+        {"ph": "X", "cat": "kernel", "name": "b", "ts": 15 * ms, "dur": 15 * ms, "args": {"stream": 7}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "c", "ts": 8 * ms, "dur": 10 * ms, "args": {"stream": 20}},
+        {"ph": "X", "cat": "gpu_memset", "name": "d", "ts": 20 * ms, "dur": 1 * ms, "args": {"stream": 20}},
+    ]
+    path = tmp_path / "t.trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    s = trainer_bench.trace_summary(str(path), steps=1)
+    assert s["compute_idle_ms"] == pytest.approx(5.0) and s["side_stream_ms"] == pytest.approx(11.0)
+    assert s["side_stream_hidden"] == pytest.approx(6.0 / 11.0)
 
 
 def test_bad_arguments_name_the_flag():
