@@ -202,10 +202,13 @@ def feature_dtype(device):
 
 
 # -- one trainer run ---------------------------------------------------------------------------------------
-def run_config(args, mode: str, work: str, draft: str, data: str, length: int, on_gpu: bool) -> dict:
+def run_config(args, mode: str, work: str, draft: str, data: str, length: int, on_gpu: bool,
+               dflash2: bool = False) -> dict:  # fmt: skip
+    """One trainer's run.yaml: strategy dflash (dflash2 for a DFlash2 drafter; `--csbp` makes either the
+    plugin's)."""
     steps = args.steps
     training = {
-        "strategy": "dflash", "fsdp_sharding": "NO_SHARD", "batch_size": args.batch_size, "accumulation_steps": 1,
+        "strategy": "dflash2" if dflash2 else "dflash", "fsdp_sharding": "NO_SHARD", "batch_size": args.batch_size, "accumulation_steps": 1,
         "num_epochs": math.ceil(steps / batches_per_epoch(args)), "max_steps": steps, "num_anchors": args.anchors,
         "learning_rate": 1e-4, "warmup_ratio": 0.0, "log_interval": 1, "seed": args.seed,
         "attention_backend": "flex_attention" if on_gpu else "sdpa",
@@ -446,6 +449,9 @@ def main(argv=None) -> int:
     work = os.path.abspath(args.work)
     os.makedirs(work, exist_ok=True)
     draft, config = drafter_config(args, work)
+    if config.is_dflash2 and "specforge" in modes:
+        raise SystemExit(f"--modes specforge: stock SpecForge 0.2.0 trains plain DFlash only; {args.draft_config} is "
+                         "DFlash2 - add --no-dflash2 or use --modes csbp")  # fmt: skip
     name = os.path.splitext(os.path.basename(args.draft_config))[0]
     name = name.replace("-dflash2", "-dflash") if args.no_dflash2 else name
     block_size = int(config.draft_block_size)
@@ -460,7 +466,8 @@ def main(argv=None) -> int:
             import_store(config, records, store, target)
             if not args.keep_data:
                 shutil.rmtree(records, ignore_errors=True)
-        run = run_config(args, mode, work, draft, records if mode == "specforge" else store, length, on_gpu)
+        run = run_config(args, mode, work, draft, records if mode == "specforge" else store, length, on_gpu,
+                         dflash2=config.is_dflash2)  # fmt: skip
         log, peak, rc = launch(args, mode, run, work)
         trace = newest_trace(run["output_dir"]) if args.profile_steps else None
         record = make_record(args, mode, length, block_size, log, peak, rc, device_name, name, trace)

@@ -103,3 +103,20 @@ def test_both_trainers_on_identical_bytes(tmp_path):
         ids, mask = store.read_tokens(f"{i:08d}")
         assert torch.equal(ids, raw["input_ids"]) and torch.equal(mask, raw["loss_mask"])
         assert torch.equal(store.read_intervals(f"{i:08d}", [(0, 256)]), raw["hidden_states"][0])
+
+
+def test_a_dflash2_drafter_trains_under_csbp_and_stock_is_refused(tmp_path):
+    """A DFlash2 config: `specforge train --csbp` runs it (strategy dflash2 -> the plugin's dflash2-csbp);
+    stock SpecForge 0.2.0 cannot, so --modes specforge without --no-dflash2 stops with one line first."""
+    work, out = tmp_path / "work", tmp_path / "rec.jsonl"
+    with pytest.raises(SystemExit, match="trains plain DFlash only.*add --no-dflash2"):
+        trainer_bench.main(["--draft-config", DRAFTER, "--context", "256", "--work", str(work), "--out", str(out)])
+    assert not out.exists()
+    rc = trainer_bench.main([
+        "--draft-config", DRAFTER, "--modes", "csbp", "--context", "256", "--samples", "2", "--steps", "3",
+        "--warmup", "1", "--profile-steps", "0", "--anchors", "8", "--work", str(work), "--out", str(out),
+    ])  # fmt: skip
+    assert rc == 0
+    (rec,) = map(json.loads, out.read_text().splitlines())
+    assert rec["status"] == "ok" and rec["mode"] == "csbp" and rec["dflash2"] is True
+    assert rec["workload"] == "trainer-quickstart_drafter"
