@@ -42,8 +42,9 @@ class _FlexSaves(torch.autograd.Function):
         raise NotImplementedError
 
 
-def _measure(name: str, autocast: bool, monkeypatch) -> tuple[list[float], list[bool], dict]:
-    """Per decoder layer: saved bytes per row, and whether its attention ran GQA-packed."""
+def stand_in_flex(monkeypatch) -> list[int]:
+    """Replace the flex kernel by `_FlexSaves`; returns the list each call appends its query heads to (fewer
+    than the model's: the call ran GQA-packed)."""
     query_heads: list[int] = []
 
     def kernel(q, k, v, **kwargs):
@@ -51,6 +52,12 @@ def _measure(name: str, autocast: bool, monkeypatch) -> tuple[list[float], list[
         return _FlexSaves.apply(q, k, v)
 
     monkeypatch.setattr(flex_backend, "_compiled_flex", lambda: kernel)
+    return query_heads
+
+
+def _measure(name: str, autocast: bool, monkeypatch) -> tuple[list[float], list[bool], dict]:
+    """Per decoder layer: saved bytes per row, and whether its attention ran GQA-packed."""
+    query_heads = stand_in_flex(monkeypatch)
     cfg = dict(TINY_CONFIGS[name])
     torch.manual_seed(0)
     model = BDLMModel.from_config(cfg, dtype=torch.float32 if autocast else torch.bfloat16, block_size=4,

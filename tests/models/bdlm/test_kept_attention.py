@@ -7,13 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specforge_csbp.attention import flex as flex_backend
 from specforge_csbp.models.bdlm import BDLMModel, routing
 from specforge_csbp.models.bdlm.tiny import TINY_CONFIGS
 from specforge_csbp.parallel import sharded_attention
 from specforge_csbp.planner.memory import attention_bytes_per_row
 from specforge_csbp.planner.shapes import load_shape
-from tests.planner.test_decoder_layer_memory_vs_measured import _FlexSaves
+from tests.planner.test_decoder_layer_memory_vs_measured import stand_in_flex
 
 L = 16  # clean tokens (2L rows), block 4
 
@@ -84,13 +83,7 @@ def test_kept_bytes_per_row_match_the_memory_model(name, monkeypatch):
     (through routing's saved-tensor hooks) and the output the recompute reuses - against
     `attention_bytes_per_row`, under bf16 autocast over fp32 weights (train-bdlm on a GPU), flex backend
     with FlexAttention's saved tensors stood in for (its backward cannot run on a CPU)."""
-    query_heads: list[int] = []
-
-    def kernel(q, k, v, **kwargs):
-        query_heads.append(q.shape[1])
-        return _FlexSaves.apply(q, k, v)
-
-    monkeypatch.setattr(flex_backend, "_compiled_flex", lambda: kernel)
+    query_heads = stand_in_flex(monkeypatch)
     cfg = dict(TINY_CONFIGS[name])
     torch.manual_seed(0)
     model = BDLMModel.from_config(cfg, dtype=torch.float32, block_size=4, backend="flex")
