@@ -78,12 +78,54 @@ def _os_error(err: OSError) -> str:
     return f"{where}: {reason}" if where else _flat(reason)
 
 
+# what each alternative of a union field accepts, by pydantic's error type (one failed alternative each)
+_ACCEPTS = {"bool_parsing": "true", "bool_type": "true", "int_parsing": "an integer", "int_type": "an integer",
+            "float_parsing": "a number", "float_type": "a number", "string_type": "a string",
+            "none_required": "null"}  # fmt: skip
+
+
+def _is_member_tag(part: object) -> bool:
+    """A union member's tag in an error's location (`bool`, `int`, "literal['auto']", `list[int]`), not a
+    field name."""
+    return isinstance(part, str) and (part in ("bool", "int", "float", "str", "bytes", "none") or "[" in part)
+
+
+def _union_alternatives(errors: list[dict]) -> list[str] | None:
+    """For the first error's field when it is a union (pydantic reports one error per failed member, at
+    loc + (member tag,)): what the members accept, e.g. ['true', 'false', "'auto'"]; None otherwise."""
+    if not errors[0]["loc"] or not _is_member_tag(errors[0]["loc"][-1]):
+        return None
+    field = errors[0]["loc"][:-1]
+    members = [e for e in errors if e["loc"][:-1] == field and e["loc"] and _is_member_tag(e["loc"][-1])]
+    if len(members) < 2 or len({e["loc"][-1] for e in members}) != len(members):
+        return None
+    alternatives: list[str] = []
+    for e in members:
+        if e["type"] == "literal_error":
+            alternatives.append(str((e.get("ctx") or {}).get("expected", e["loc"][-1])))
+        elif e["type"] in _ACCEPTS:
+            alternatives += ["true", "false"] if e["type"].startswith("bool") else [_ACCEPTS[e["type"]]]
+        else:
+            return None  # a constraint of a member (a bound, a pattern): its own message says more
+    return alternatives
+
+
 def format_validation_error(err: ValidationError) -> str:
-    """One line: the first error's dotted location, message and input (+ how many more)."""
-    first = err.errors()[0]
+    """One line: the first error's dotted location, message and input (+ how many more). A union field
+    (e.g. `bool | Literal["auto"]`) gets one line naming every value it accepts."""
+    errors = err.errors()
+    first = errors[0]
+    alternatives = _union_alternatives(errors)
+    if alternatives is not None:
+        field = first["loc"][:-1]
+        loc = ".".join(str(p) for p in field) or "recipe"
+        rest = sum(1 for e in errors if e["loc"][:-1] != field)
+        accepted = ", ".join(alternatives[:-1]) + " or " + alternatives[-1]
+        text = f"{loc}: must be {accepted} (got {repr(first.get('input'))[:60]})"
+        return text + (f" (and {rest} more)" if rest else "")
     loc = ".".join(str(p) for p in first["loc"]) or "recipe"
     msg = first["msg"].removeprefix("Value error, ")
-    more = len(err.errors()) - 1
+    more = len(errors) - 1
     shown = repr(first.get("input"))
     text = f"{loc}: {msg}" + (
         f" (got {shown[:60]})" if first["type"] != "missing" and "input" in first else ""

@@ -55,6 +55,25 @@ def test_the_formatter_turns_file_system_and_parse_errors_into_one_line(tmp_path
     with pytest.raises(ValidationError) as err:
         Two(a="x", b="y")
     assert one_line(err.value) == "a: Input should be a valid integer, unable to parse string as an integer (got 'x') (and 1 more)"
+    from typing import Literal
+
+    from pydantic import Field
+
+    class Union(BaseModel):  # a union field: one line naming every value it takes
+        flag: bool | Literal["auto"] = "auto"
+        size: int | Literal["auto", "off"] = "auto"
+        bound: Literal["auto"] | int = Field("auto", ge=1)
+        c: int = 0
+
+    with pytest.raises(ValidationError) as err:
+        Union(flag="sometimes", c="z")
+    assert one_line(err.value) == "flag: must be true, false or 'auto' (got 'sometimes') (and 1 more)"
+    with pytest.raises(ValidationError) as err:
+        Union(size=[1])
+    assert one_line(err.value) == "size: must be an integer or 'auto' or 'off' (got [1])"
+    with pytest.raises(ValidationError) as err:
+        Union(bound=0)  # a member's constraint failed: its own message is the informative one
+    assert "greater than or equal to 1" in one_line(err.value)
     bad = tmp_path / "c.json"
     bad.write_text('{"a": 1,\n "b": }\n')
     with pytest.raises(ValueError, match=rf"--cfg: {bad}:2:7 is not valid JSON \(Expecting value\)"):
