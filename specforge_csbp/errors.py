@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,7 @@ from .preflight import check_input_file
 __all__ = [
     "RunFault",
     "format_validation_error",
+    "is_out_of_memory",
     "is_user_error",
     "load_config",
     "load_json",
@@ -53,6 +55,25 @@ class RunFault(RuntimeError):
 
 
 _DISK_FULL = ("No space left on device", "StorageFull", "Disk quota exceeded")
+# an accelerator allocation that failed (torch.OutOfMemoryError's wording, cuBLAS / cuDNN workspaces)
+_OUT_OF_MEMORY = ("CUDA out of memory", "out of device memory", "CUBLAS_STATUS_ALLOC_FAILED",
+                  "CUDNN_STATUS_ALLOC_FAILED", "HIP out of memory")  # fmt: skip
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """The device ran out of memory (torch.OutOfMemoryError, or an allocation failure inside a library)."""
+    return type(err).__name__ == "OutOfMemoryError" or any(m in str(err) for m in _OUT_OF_MEMORY)
+
+
+def _out_of_memory(err: BaseException) -> str:
+    """'device out of memory (tried to allocate 2.00 GiB of a 139.80 GiB GPU); ...' from torch's message."""
+    text = str(err)
+    tried = re.search(r"[Tt]ried to allocate ([0-9.]+ [KMGT]?i?B)", text)
+    total = re.search(r"total capacity of ([0-9.]+ [KMGT]?i?B)", text)
+    what = ", ".join(p for p in (tried and f"tried to allocate {tried.group(1)}",
+                                 total and f"of a {total.group(1)} device") if p)  # fmt: skip
+    return (f"device out of memory{f' ({what})' if what else ''}: use a shorter context, a smaller batch or "
+            "more GPUs, or free the device of other processes")
 
 
 def _flat(text: str) -> str:
@@ -146,6 +167,8 @@ def one_line(err: BaseException) -> str:
     if isinstance(err, OSError):
         return _os_error(err)
     text = str(err)
+    if is_out_of_memory(err) and not isinstance(err, RunFault):  # a RunFault's line has the trainer's advice
+        return _out_of_memory(err)
     if any(m in text for m in _DISK_FULL):
         return f"disk full while writing ({_flat(text)}); free space or choose another output directory"
     if type(err).__name__ == "SafetensorError":
@@ -162,7 +185,7 @@ def one_line(err: BaseException) -> str:
 
 def is_user_error(err: BaseException) -> bool:
     """Errors that a user's input or machine causes (one line), as opposed to bugs (a traceback)."""
-    if isinstance(err, (ValueError, OSError, RunFault)):
+    if isinstance(err, (ValueError, OSError, RunFault)) or is_out_of_memory(err):
         return True
     name = type(err).__name__
     if name in ("SafetensorError", "YAMLError") or any(m in str(err) for m in _DISK_FULL):

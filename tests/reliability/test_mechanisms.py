@@ -552,3 +552,36 @@ def test_disk_full_at_a_train_bdlm_checkpoint_keeps_the_last_one(tmp_path, capsy
     assert f"cannot write {out}/.step_00000002.tmp/optimizer.pt: No space left on device (disk full)" in err, err
     assert ckpt.latest_checkpoint(out).name == "step_00000001"
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["step_00000001"]  # no partial save left
+
+
+def test_a_device_out_of_memory_outside_the_step_is_one_line(capsys, monkeypatch):
+    """torch.OutOfMemoryError where no trainer turns it into advice (model build, capture, eval, export): the
+    user's machine, not a bug - one line with what torch said it tried, no traceback; cuBLAS's allocation
+    failure too."""
+    import torch
+
+    from specforge_csbp.cli import main as cli
+    from specforge_csbp.errors import is_out_of_memory, is_user_error, one_line
+
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+                                 "139.80 GiB of which 1.19 GiB is free. Including non-PyTorch memory ...")  # fmt: skip
+    assert is_out_of_memory(oom) and is_user_error(oom)
+    assert one_line(oom) == ("device out of memory (tried to allocate 2.00 GiB, of a 139.80 GiB device): use a "
+                             "shorter context, a smaller batch or more GPUs, or free the device of other processes")
+    cublas = RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+    assert is_user_error(cublas) and one_line(cublas).startswith("device out of memory: use a shorter context")
+    assert not is_user_error(KeyError("x")) and not is_out_of_memory(RuntimeError("shape mismatch"))
+
+    def run(args):
+        raise oom
+
+    parser = cli.build_parser()
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    parser.set_defaults(func=run)
+    for action in parser._subparsers._group_actions:
+        for sub in action.choices.values():
+            sub.set_defaults(func=run)
+    assert cli.main(["report"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specforge-csbp report: error: device out of memory (tried to allocate 2.00 GiB")
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
