@@ -51,14 +51,13 @@ __all__ = ["HEADROOM_GIB", "HEADROOM_SHARE", "CheckpointingChoice", "PeakModel",
 
 GiB = float(1 << 30)
 HEADROOM_GIB = 2.0
-#: the GPU points on one H200 (benchmarks/results/bdlm_h200_2026-12-01.jsonl) against this rule's
-#: prediction (peak_all + k x per layer) for the setting the former model chose at 139 GiB: Qwen3-1.7B 64K
-#: keeping 2 of 28 layers
-#: 113.2 GiB predicted / 100.8 measured, Qwen3-MoE-3B 32K keeping 7 of 24: 142.0 / 131.5 - 8-12% over
-#: (the rule counts one recomputed layer on top of the kept ones, which never coexist); Gemma-3-1B 32K
-#: keeping 13 of 26 (the former model's choice) ran out at step 1 where this predicts 136.3, >= 2% under;
-#: Qwen3-1.7B 16K without checkpointing ran out (134.6 GiB allocated) at 155.5 predicted. A quarter keeps
-#: the margin for what the model does not count (allocator fragmentation, a backward's working set)
+#: measured peaks on one H200 against this model's prediction (benchmarks/results/bdlm_h200_2026-12-02_*.jsonl):
+#: Qwen3-1.7B 64K, 27 of 28 layers checkpointed 85.4 GiB / 98.1 predicted, every layer with 13 attention outputs
+#: kept 89.6 / 109.0, with all 28 kept 112.2 / 139.1 (13-24% over: the GQA packing copy is counted for full
+#: layers that do not pack, and one recomputed layer on top of the kept ones); Gemma-3-1B 32K, 18 of 26
+#: checkpointed with 17 outputs kept 118.0 / 109.5 and 17 of 26 recomputed 117.7 / 108.9 (8% under), 13 of 26
+#: ran out at step 1 (136.3 predicted). The quarter covers Gemma's under-count and the allocator's
+#: fragmentation
 HEADROOM_SHARE = 0.25
 
 
