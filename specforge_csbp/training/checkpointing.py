@@ -17,16 +17,17 @@ would not fit in the device's memory without.
        (peak without - peak with checkpointing) / layers; the last k layers keep their activations
        (their backward runs first, so their memory is free again before the recomputes start)
 
-`train.recompute_attention: auto` (the default), once checkpointing is on: a checkpointed layer keeps its
-attention's output and saved tensors for the recompute (models/bdlm/routing.py) when the step with every
-layer doing so fits - attention is most of a long-context layer's FLOPs (72% at 64K for Qwen3-1.7B), its
-saved tensors a fifth of the layer's - and re-runs attention only when it does not fit:
+`train.recompute_attention: auto` (the default), once checkpointing is on: a checkpointed layer can keep its
+attention's output and saved tensors for the recompute (models/bdlm/routing.py) - attention is most of a
+long-context layer's FLOPs (72% at 64K for Qwen3-1.7B), its saved tensors an eighth of the layer's memory:
 
     peak  none (no checkpointing) > kept (every attention kept) > all (every layer recomputed, attention too)
-    off                       when none fits
-    on, attention kept in a   the most a layers' attention outputs that fit: all + a (kept - all) / layers
-    on for n - k, kept        when all of them fit: the last k layers un-checkpointed on top, as far as fits
-                              (PeakModel.peak / choose: the one formula auto, its line and the OOM advice use)
+    off         when none fits
+    on          of every split - the last k layers un-checkpointed, then the attention outputs of the others
+                with the most FLOPs (full-attention layers before sliding ones) while they fit - the one whose
+                recompute saves the most FLOPs (PeakModel.choose; PeakModel.peak is the one formula auto,
+                its line and the OOM advice use). true: whole layers only; false: every checkpointed
+                layer's attention, whole layers on top as far as they fit
 
 Without a GPU the choice is off (host memory is not what the planner models); a workload without a memory
 model (no seq_len / objective / ce_chunk_size, or a model without a config) also gets off, and the line
@@ -117,7 +118,7 @@ class PeakModel:
         the most whole layers that fit; false: every checkpointed layer's attention and the most whole
         layers on top; auto: of every split (k whole layers, then the attention outputs with the most FLOPs
         among the others while they fit) the one whose recompute saves the most FLOPs - attention outputs
-        are a fifth of a layer's memory for most of a long-context layer's recompute."""
+        are an eighth of a Qwen3 layer's memory for most of a long-context layer's recompute."""
         n = self.layers
         if not needs_checkpointing(self.none, available_gib):
             return n, ()

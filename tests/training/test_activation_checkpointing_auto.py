@@ -136,7 +136,7 @@ def test_auto_keeps_the_attention_outputs_with_the_most_flops_first():
 
 def test_qwen3_1p7b_at_64k_keeps_attention_instead_of_a_layer():
     """The 64K profile point: recomputing attention, a layer or two fit un-checkpointed; keeping attention,
-    many more layers' outputs do (each a tenth of a layer's memory, 3/4 of its recompute's FLOPs at 64K)."""
+    many more layers' outputs do (each an eighth of a layer's memory, 3/4 of its recompute's FLOPs at 64K)."""
     peaks = bdlm_peaks(*_run(65536))
     whole, none_kept = peaks.choose(139.0, recompute_attention=True)
     assert 0 < whole < 4 and none_kept == ()
