@@ -21,8 +21,18 @@ ranks' shards ++ owned blocks) and times it on random bf16 tensors after `fresh_
     +executor          the layer's executor as the step runs it (CSBP: shard build, gather, concatenation;
                        CP: partial-output merge), communication replaced by local copies; needs torchrun
                        with --world-size ranks (each rank runs its own plan; on CPU: gloo, dense seam)
+    +NAME=VALUE        a FlexAttention kernel option added to the call's (`fwd_`/`bwd_` prefixes select one
+                       kernel: `+USE_TMA=1`, `+fwd_BLOCK_N=128+fwd_num_stages=2`, `+bwd_num_warps=4`)
+    +autotune          the call site compiled with mode="max-autotune-no-cudagraphs" (inductor times its
+                       config list and logs the choice)
 
-Prints one line per variant (lengths, tiles visited, ms); diagnostics only, no records. On CPU the same
+Mode `bdlm` is a full block-diffusion LM's 2L call instead of a drafter layer's: one sequence of --context
+clean tokens and its corrupted copy in blocks of --block-size, every row on one rank (`bdlm_plan`), heads
+from --heads / --kv-heads / --head-dim (default: Qwen3-1.7B's), TFLOP/s from its visible pairs:
+
+    python benchmarks/flex_layer_bench.py --context 64K --variants bdlm:static+divisible,bdlm:static+divisible+USE_TMA=1
+
+Prints one line per variant (lengths, tiles visited, forward and forward + backward ms); diagnostics only, no records. On CPU the same
 paths run at small sizes (forward only through eager FlexAttention; tests/benchmarks/test_flex_layer_bench_smoke.py).
 """
 
@@ -43,6 +53,8 @@ from specforge_csbp.attention import flex as flex_backend  # noqa: E402
 from specforge_csbp.attention import merge_partials, partial_attention, prepare_attention  # noqa: E402
 from specforge_csbp.attention.flex import block_mask_for, kernel_options, tile_visits  # noqa: E402
 from specforge_csbp.bench.isolation import fresh_point  # noqa: E402
+from specforge_csbp.layout.cost import attention_flops, bdlm_visible_pairs  # noqa: E402
+from specforge_csbp.layout.plans import bdlm_plan  # noqa: E402
 from specforge_csbp.layout import TokenSet  # noqa: E402
 from specforge_csbp.masks import Visibility  # noqa: E402
 from specforge_csbp.models.dflash import drafter_plans, make_dflash_config  # noqa: E402
@@ -75,10 +87,10 @@ def _tensor(shape, device, g, train):
     return torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=g).requires_grad_(train)
 
 
-def seam_step(parts: list[Visibility], heads, kv_heads, head_dim, device, pack=None):
+def seam_step(parts: list[Visibility], heads, kv_heads, head_dim, device, pack=None, backward=True):
     """Forward + backward of the seam calls over `parts` (calls over the same queries, LSE-merged); forward
-    only on CPU (FlexAttention has no CPU backward)."""
-    g, train = torch.Generator(device=device).manual_seed(0), device.type == "cuda"
+    only on CPU (FlexAttention has no CPU backward) or without `backward`."""
+    g, train = torch.Generator(device=device).manual_seed(0), device.type == "cuda" and backward
     nq = len(parts[0].q)
     q = _tensor((1, heads, nq, head_dim), device, g, train)
     kv = [tuple(_tensor((1, kv_heads, len(vis.k), head_dim), device, g, train) for _ in "kv") for vis in parts]
@@ -128,6 +140,80 @@ def profiled(step, device, title: str) -> None:
     print(f"--- profile: {title}\n" + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25), flush=True)
 
 
+def parse_variant(variant: str) -> tuple[str, str, dict[str, object]]:
+    """"mode:how+how+NAME=VALUE" -> (mode, how, kernel options); values are ints (1/0 for flags) or names."""
+    mode, how = variant.split(":")
+    extra: dict[str, object] = {}
+    for part in how.split("+"):
+        if "=" in part:
+            name, value = part.split("=", 1)
+            extra[name] = int(value) if value.lstrip("-").isdigit() else value
+            if name.endswith("USE_TMA"):  # a flag
+                extra[name] = bool(extra[name])
+    return mode, how, extra
+
+
+def bdlm_visibility(context: int, block_size: int) -> list[Visibility]:
+    """The 2L call of a full BDLM on one rank: clean and corrupted rows of one sequence."""
+    plan = bdlm_plan("csbp", context, block_size, 1)[0]
+    return [Visibility(plan.q_tokens, plan.kv_tokens, block_size)]
+
+
+def run_variant(variant, args, config, anchors, device, rank, compiled_flex) -> None:
+    """Time one variant and print its line."""
+    L, P, S = parse_size(args.context), args.world_size, config.draft_block_size
+    mode, how, extra = parse_variant(variant)
+    fresh_point()
+    base = kernel_options if "divisible" in how else lambda q_len, kv_len: None
+    flex_backend.kernel_options = lambda q_len, kv_len: (base(q_len, kv_len) or {}) | extra or None
+    flex_backend._compiled_flex = compiled_flex
+    if "autotune" in how and device.type == "cuda":
+        from torch.nn.attention.flex_attention import flex_attention
+
+        tuned = torch.compile(flex_attention, dynamic=None, mode="max-autotune-no-cudagraphs")
+        flex_backend._compiled_flex = lambda: tuned
+    flops = None
+    if mode == "bdlm":
+        parts = bdlm_visibility(L, args.block_size)
+        dims = args.heads, args.kv_heads, args.head_dim, device
+        groups = args.heads // args.kv_heads
+        pairs = bdlm_visible_pairs(L, args.block_size)
+        flops = attention_flops(pairs, args.heads, args.head_dim, backward=False), attention_flops(
+            pairs, args.heads, args.head_dim
+        )
+    else:
+        plan = drafter_plans(mode, L, anchors, config, P, bucket=args.bucket)[rank]
+        parts = layer_visibility(mode, plan, args.layer, S, split="split" in how, rev="rev" in how)
+        groups = config.num_attention_heads // config.num_key_value_heads
+        dims = config.num_attention_heads, config.num_key_value_heads, config.head_dim, device
+    force = True if "+pack" in how else False if "nopack" in how else None
+    packs, tiles = [], 0
+    for vis in parts:
+        _, pack, target = prepare_attention(vis, groups=groups, device=device, backend="flex", pack_gqa=force)
+        packs.append(pack)
+        tiles += tile_visits(block_mask_for(target, device))
+    if "dynamic" in how:  # compile the call site for other lengths first
+        timed(seam_step([trimmed(vis) for vis in parts], *dims, pack=force), device, 1, warmup=1)
+    step = executor_step(plan, args.layer, config, device) if "executor" in how else seam_step(
+        parts, *dims, pack=force
+    )
+    ms = 1e3 * timed(step, device, args.iters, args.warmup)
+    fwd_ms = None
+    if "executor" not in how and device.type == "cuda":
+        forward = seam_step(parts, *dims, pack=force, backward=False)
+        with torch.no_grad():
+            fwd_ms = 1e3 * timed(forward, device, args.iters, args.warmup)
+    if args.profile and rank == 0 and device.type == "cuda":
+        profiled(step, device, variant)
+    keys = "+".join(str(len(vis.k)) for vis in parts)
+    rate = ""
+    if flops and fwd_ms:
+        rate = f"  {flops[0] / fwd_ms / 1e9:6.1f} / {flops[1] / ms / 1e9:6.1f} TFLOP/s (fwd / fwd+bwd)"
+    fwd = f"fwd {fwd_ms:8.2f} ms " if fwd_ms else ""
+    print(f"{variant:30s} q {len(parts[0].q):7d} k {keys:>15s} pack_gqa {packs} tiles/kv-head {tiles:8d} "
+          f"{fwd}fwd+bwd {ms:9.2f} ms{rate}", flush=True)  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=["a", "b"], default="b")
@@ -142,6 +228,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bucket", type=int, default=4096, help="sliding-plan row padding, as drafter_bench's")
     p.add_argument("--profile", action="store_true", help="profile one step of each variant (rank 0)")
+    p.add_argument("--block-size", type=int, default=32, help="mode bdlm: the BDLM's block size")
+    p.add_argument("--heads", type=int, default=16, help="mode bdlm: query heads")
+    p.add_argument("--kv-heads", type=int, default=8, help="mode bdlm: key/value heads")
+    p.add_argument("--head-dim", type=int, default=128, help="mode bdlm: head dimension")
     args = p.parse_args()
 
     shape = dict(SHAPES[args.shape])
@@ -167,31 +257,14 @@ def main() -> None:
         if dist.get_world_size() != P:
             raise SystemExit(f"--world-size {P} but launched with {dist.get_world_size()} ranks")
     print(f"shape {args.shape} L={L} N={N} P={P} rank {rank} layer {args.layer} torch {torch.__version__}")
+    compiled_flex = flex_backend._compiled_flex
     for variant in args.variants.split(","):
-        mode, how = variant.split(":")
-        fresh_point()
-        flex_backend.kernel_options = kernel_options if "divisible" in how else lambda q_len, kv_len: None
-        plan = drafter_plans(mode, L, anchors, config, P, bucket=args.bucket)[rank]
-        parts = layer_visibility(mode, plan, args.layer, S, split="split" in how, rev="rev" in how)
-        force = True if "+pack" in how else False if "nopack" in how else None
-        groups = config.num_attention_heads // config.num_key_value_heads
-        dims = config.num_attention_heads, config.num_key_value_heads, config.head_dim, device
-        packs, tiles = [], 0
-        for vis in parts:
-            _, pack, target = prepare_attention(vis, groups=groups, device=device, backend="flex", pack_gqa=force)
-            packs.append(pack)
-            tiles += tile_visits(block_mask_for(target, device))
-        if "dynamic" in how:  # compile the call site for other lengths first
-            timed(seam_step([trimmed(vis) for vis in parts], *dims, pack=force), device, 1, warmup=1)
-        step = executor_step(plan, args.layer, config, device) if "executor" in how else seam_step(
-            parts, *dims, pack=force
-        )
-        ms = 1e3 * timed(step, device, args.iters, args.warmup)
-        if args.profile and rank == 0 and device.type == "cuda":
-            profiled(step, device, variant)
-        keys = "+".join(str(len(vis.k)) for vis in parts)
-        print(f"{variant:30s} q {len(parts[0].q):7d} k {keys:>15s} pack_gqa {packs} tiles/kv-head {tiles:8d} "
-              f"fwd+bwd {ms:9.2f} ms", flush=True)  # fmt: skip
+        try:
+            run_variant(variant, args, config, anchors, device, rank, compiled_flex)
+        except Exception as e:  # a kernel config the device cannot run (e.g. out of shared memory): the next one
+            if device.type != "cuda":
+                raise
+            print(f"{variant:30s} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@
 #            syncs of two steps counted by stack and the recompiles logged;
 #   bench:   drafter_bench.py's step of the same drafter, with and without kept logits.
 #   eval:    `specforge-csbp eval`'s loop (benchmarks/eval_bench.py), Qwen3-1.7B-shaped target, 32K and 128K prompts.
-#   bdlm:    `specforge-csbp train-bdlm` for the Qwen3-1.7B shape at 64K (one rank, activation checkpointing).
+#   bdlm:    `specforge-csbp train-bdlm` for the Qwen3-1.7B shape at 64K (one rank, default settings).
+#   flex:    the same model's 2L FlexAttention call at 64K (forward, forward + backward) under kernel options:
+#            TMA loads, forward / backward tile shapes, and inductor's autotuned choice.
 # Writes $OUT/<part>/{ops_cuda,ops_cpu}.txt, steps.json, and the benchmark's records.
 source benchmarks/gpu_env.sh
 stage() { local limit=$1; shift; echo "== $(date -u +%T) [limit ${limit}s] $*"; timeout -k 15 "$limit" "$@" 2>&1 | grep -v -i warn; }
@@ -35,7 +37,13 @@ eval)
 bdlm)
   stage 300 env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 \
     python3 benchmarks/profile_train.py --out $OUT/bdlm --wait 2 --active 2 --syncs -- \
-    train-bdlm -c benchmarks/configs/bdlm_qwen3-1.7b_64k.yaml train.steps=6 train.activation_checkpointing=true
+    train-bdlm -c benchmarks/configs/bdlm_qwen3-1.7b_64k.yaml train.steps=6
+  ;;
+flex)
+  B=bdlm:static+divisible
+  stage 360 python3 benchmarks/flex_layer_bench.py --context 64K --block-size 32 --iters 5 --variants \
+$B,$B+USE_TMA=1,$B+fwd_BLOCK_N=128+fwd_num_stages=2,$B+fwd_BLOCK_N=128+fwd_num_stages=2+USE_TMA=1,\
+$B+bwd_num_stages=2,$B+autotune
   ;;
 esac
 echo "== $(date -u +%T) done"

@@ -33,3 +33,22 @@ def test_executor_variants_run_on_two_gloo_ranks():
            "--variants", ",".join(variants)]  # fmt: skip
     lines = _run(cmd)
     assert set(lines) == set(variants)
+
+
+def test_bdlm_call_with_kernel_options_runs_on_cpu():
+    """Mode bdlm times the full BDLM's 2L call (every clean and corrupted row on one rank); kernel options
+    given as +NAME=VALUE reach the call (eager flex on CPU accepts and ignores them)."""
+    variants = ["bdlm:static+divisible", "bdlm:static+divisible+USE_TMA=1+fwd_num_stages=2"]
+    lines = _run([sys.executable, *ARGS, "--block-size", "32", "--variants", ",".join(variants)])
+    assert set(lines) == set(variants)
+    for m in lines.values():
+        assert m.group(2) == m.group(3) == str(2 * 4096)  # 2L query rows over 2L key rows
+
+
+def test_variant_options_parse():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from flex_layer_bench import parse_variant
+
+    mode, how, extra = parse_variant("bdlm:static+divisible+USE_TMA=1+fwd_BLOCK_N=128+bwd_USE_TMA=0")
+    assert (mode, extra) == ("bdlm", {"USE_TMA": True, "fwd_BLOCK_N": 128, "bwd_USE_TMA": False})
+    assert "divisible" in how
