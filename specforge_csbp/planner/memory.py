@@ -18,6 +18,8 @@ Training step: see `bdlm_step_memory` and `drafter_step_memory` (GPU, bf16, Flex
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from dataclasses import dataclass
 
 from .pairs import DrafterRankStats, RankStats
@@ -198,7 +200,7 @@ def bdlm_step_memory(
     ce_chunk: int,
     reserved_gib: float,
     residual_bytes: int | None = None,
-    gqa_packed: bool = True,
+    gqa_packed: bool | Sequence[bool] = True,
     attention_kept: bool = False,
 ) -> MemoryBreakdown:
     """One rank of a full-BDLM step (SFT / conversion): every layer runs on the rank's 2L rows.
@@ -206,20 +208,23 @@ def bdlm_step_memory(
     residual_bytes: bytes per element of the residual stream between layers (the checkpointed layer
     inputs) - 4 under autocast with fp32 weights (embeddings, norms and residual adds stay fp32; only the
     GEMMs run in bf16), else elem_bytes. Each layer saves `decoder_layer_bytes_per_row` per row;
-    gqa_packed: count FlexAttention's GQA packing copy (it packs whenever that visits fewer tiles, e.g.
-    every layer of the Gemma-3-1B recipe at 32K; counting it when a layer does not pack is e H D per row
-    over). attention_kept (with checkpointing): every checkpointed layer also keeps its attention's saved
+    gqa_packed: count FlexAttention's GQA packing copy, for every layer or per layer (it packs whenever that
+    visits fewer tiles, e.g. every layer of the Gemma-3-1B recipe at 32K, none of Qwen3-1.7B's at 64K;
+    counting it where a layer does not pack is e H D per row over). attention_kept (with checkpointing): every checkpointed layer also keeps its attention's saved
     tensors and gathered K/V (no attention in the recompute, models/bdlm/routing.py)."""
     rows = views * s.q_rows
     res = residual_bytes or elem_bytes
+    packed = [gqa_packed] * shape.layers if isinstance(gqa_packed, bool) else list(gqa_packed)
+    if len(packed) != shape.layers:
+        raise ValueError(f"gqa_packed: one flag per layer ({shape.layers}); got {len(packed)}")
     per_layer = [decoder_layer_bytes_per_row(shape, i, gemm_bytes=elem_bytes, residual_bytes=res,
-                                             gqa_packed=gqa_packed) for i in range(shape.layers)]  # fmt: skip
+                                             gqa_packed=packed[i]) for i in range(shape.layers)]  # fmt: skip
     kv_row = 2 * shape.kv_heads * shape.head_dim * elem_bytes
     if checkpointing:  # layer inputs kept; one layer's activations live while it is recomputed
         act = shape.layers * rows * shape.hidden * res + rows * max(per_layer)
         buf = views * s.gathered_rows * kv_row * 2  # one layer's gathered K/V + gradient
         if attention_kept:  # + every layer's attention tensors and gathered K/V
-            act += shape.layers * rows * attention_bytes_per_row(shape, gemm_bytes=elem_bytes, gqa_packed=gqa_packed)
+            act += rows * sum(attention_bytes_per_row(shape, gemm_bytes=elem_bytes, gqa_packed=p) for p in packed)
             buf = views * s.gathered_rows * kv_row * (shape.layers + 1)
     else:
         act = rows * sum(per_layer)

@@ -9,8 +9,9 @@ would not fit in the device's memory without.
        per row - measured per family on the CPU,                  GEMM outputs in the autocast dtype, the
        tests/planner/test_decoder_layer_memory_vs_measured.py)    residual stream in the weights' dtype
       + under autocast: the bf16 weight copies autocast caches    2 bytes per parameter
-        for the step
-    + headroom (HEADROOM_GIB + HEADROOM_SHARE of it: the GPU points behind it at HEADROOM_SHARE)
+        for the step                                             GQA packing's output copy only in the
+                                                                 layers that pack (`layer_packs`)
+    + headroom (HEADROOM_GIB + HEADROOM_SHARE of it: fragmentation)
     <= memory this process can use (free + what it already holds: the model's weights)
        -> off: no recompute (a third fewer FLOPs than a checkpointed step's)
        else on, for as few layers as fit: each decoder layer left un-checkpointed adds
@@ -29,6 +30,10 @@ long-context layer's FLOPs (72% at 64K for Qwen3-1.7B), its saved tensors an eig
                 its line and the OOM advice use). true: whole layers only; false: every checkpointed
                 layer's attention, whole layers on top as far as they fit
 
+When a step runs out of memory anyway (the model under-counts a family, or fragmentation), every rank
+decides again with the predicted peaks scaled so the failed choice no longer fits (`step_down_scale`) and the
+trainer runs the step again: auto never loses a run to its own estimate while something smaller is left.
+
 Without a GPU the choice is off (host memory is not what the planner models); a workload without a memory
 model (no seq_len / objective / ce_chunk_size, or a model without a config) also gets off, and the line
 printed says so. An explicit true / false is never changed.
@@ -36,30 +41,35 @@ printed says so. An explicit true / false is never changed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
 
 import torch
 
+from ..attention.packing import should_pack
 from ..layout.cost import bdlm_visible_pairs
+from ..layout.plans import bdlm_plan
+from ..masks.visibility import Visibility
 from ..models.bdlm.routing import config_windows
 from ..planner.memory import bdlm_step_memory
 from ..planner.pairs import bdlm_rank_stats
 from ..planner.shapes import load_shape
 
-__all__ = ["HEADROOM_GIB", "HEADROOM_SHARE", "CheckpointingChoice", "PeakModel", "available_gib", "bdlm_peak_gib",
-           "bdlm_peaks", "keep_activations", "keep_attention", "needs_checkpointing", "resolve_attention",
-           "resolve_checkpointing"]  # fmt: skip
+__all__ = ["HEADROOM_GIB", "HEADROOM_SHARE", "PACKING_PROBE_TOKENS", "CheckpointingChoice", "PeakModel",
+           "available_gib", "bdlm_peak_gib", "bdlm_peaks", "keep_activations", "keep_attention", "layer_packs",
+           "models_memory", "needs_checkpointing", "resolve_attention", "resolve_checkpointing",
+           "step_down_scale"]  # fmt: skip
 
 GiB = float(1 << 30)
 HEADROOM_GIB = 2.0
-#: measured peaks on one H200 against this model's prediction (benchmarks/results/bdlm_h200_2026-12-02_*.jsonl):
-#: Qwen3-1.7B 64K, 27 of 28 layers checkpointed 85.4 GiB / 98.1 predicted, every layer with 13 attention outputs
-#: kept 89.6 / 109.0, with all 28 kept 112.2 / 139.1 (13-24% over: the GQA packing copy is counted for full
-#: layers that do not pack, and one recomputed layer on top of the kept ones); Gemma-3-1B 32K, 18 of 26
-#: checkpointed with 17 outputs kept 118.0 / 109.5 and 17 of 26 recomputed 117.7 / 108.9 (8% under), 13 of 26
-#: ran out at step 1 (136.3 predicted). The quarter covers Gemma's under-count and the allocator's
-#: fragmentation
-HEADROOM_SHARE = 0.25
+#: measured peaks on one H200 against this model's prediction (benchmarks/results/bdlm_h200_2026-12-02_*.jsonl,
+#: predictions with the per-layer packing guess): Qwen3-1.7B 64K, 27 of 28 layers checkpointed 85.4 GiB / 97.1
+#: predicted, every layer with 13 attention outputs kept 89.6 / 102.0, with all 28 kept 112.2 / 124.6 (11-14%
+#: over); Gemma-3-1B 32K, 18 of 26 checkpointed with 17 outputs kept 118.0 / 109.5 and 17 of 26 recomputed
+#: 117.7 / 108.9 (7% under). The share covers the allocator's fragmentation, not the model's worst under-count:
+#: a step that runs out of memory anyway makes auto decide again with the peaks scaled up (`step_down_scale`,
+#: the trainer retries the step)
+HEADROOM_SHARE = 0.08
 
 
 @dataclass(frozen=True)
@@ -101,6 +111,10 @@ class PeakModel:
     layers: int
     attention_flops: tuple[float, ...] = ()  # per layer: its attention's forward (what keeping it saves)
     other_flops: float = 0.0  # per layer: the rest of its forward (GEMMs), saved by not checkpointing it
+
+    def scaled(self, factor: float) -> PeakModel:
+        """The same model with every peak `factor` times larger (what a step that ran out of memory teaches)."""
+        return replace(self, none=self.none * factor, all=self.all * factor, kept=self.kept * factor)
 
     def peak(self, keep: int = 0, attention: int = 0) -> float:
         """`keep` layers un-checkpointed, `attention` of the checkpointed ones keeping their attention
@@ -145,6 +159,24 @@ class PeakModel:
         return best[1], best[2]
 
 
+#: the longest sequence whose 2L mask the packing guess counts tiles of (0.15 s on a CPU; 64K takes 20 s)
+PACKING_PROBE_TOKENS = 8192
+
+
+@functools.lru_cache(maxsize=64)
+def layer_packs(seq_len: int, block_size: int, groups: int, window: int | None, clean_within_block: str) -> bool:
+    """Does FlexAttention pack the GQA heads of a layer with this window (attention/packing.py `should_pack`)?
+    Decided on the 2L mask of min(seq_len, PACKING_PROBE_TOKENS) tokens (whole blocks), counted on the CPU:
+    whether packing visits fewer tiles depends on the block size, the window and G, tile by tile, the same
+    along a longer sequence (e.g. never for Qwen3-1.7B's full layers at block 32 - a tie -, every layer for
+    Gemma-3-1B's G = 4)."""
+    tokens = min(seq_len, max(block_size, PACKING_PROBE_TOKENS // block_size * block_size))
+    plan = bdlm_plan("csbp", tokens, block_size, 1)[0]
+    vis = Visibility(plan.q_tokens, plan.kv_tokens, block_size, clean_within_block=clean_within_block,
+                     window=window if window is not None and window < tokens else None)  # fmt: skip
+    return should_pack(vis, groups, "cpu")
+
+
 def bdlm_peak_gib(workload, model, ctx, *, checkpointing: bool, attention_kept: bool = False) -> float:
     """Predicted peak GiB of this run's largest rank for a BDLM workload (ValueError: no memory model);
     attention_kept: checkpointed layers keep their attention outputs."""
@@ -160,12 +192,20 @@ def bdlm_peak_gib(workload, model, ctx, *, checkpointing: bool, attention_kept: 
     views = objective.batch_factor * ctx.micro_batch_size
 
     weight_copies = 2 * shape.trainable_params / GiB if ctx.autocast_dtype else 0.0  # autocast's bf16 cache
+    groups = shape.heads // max(1, shape.kv_heads)
+    packed = [layer_packs(seq_len, block, groups, w, rule) for w in config_windows(config)]
     return max(
         bdlm_step_memory(shape, s, views=views, elem_bytes=elem, state_bytes=4.0 * param_bytes,
                          checkpointing=checkpointing, ce_chunk=chunk, reserved_gib=0.0,
-                         residual_bytes=param_bytes, attention_kept=attention_kept).total + weight_copies
+                         residual_bytes=param_bytes, gqa_packed=packed, attention_kept=attention_kept).total
+        + weight_copies
         for s in stats
     )  # fmt: skip
+
+
+def models_memory(ctx) -> bool:
+    """Does the memory model decide `auto` for this run? On GPUs; host memory is not what it models."""
+    return ctx.device.type == "cuda"
 
 
 def available_gib(device: torch.device) -> float:
@@ -190,15 +230,16 @@ def bdlm_peaks(workload, model, ctx) -> PeakModel:
 
 
 def resolve_checkpointing(
-    workload, model, ctx, recompute_attention: bool | str = "auto", available: float | None = None
+    workload, model, ctx, recompute_attention: bool | str = "auto", available: float | None = None,
+    scale: float = 1.0,
 ) -> CheckpointingChoice:
     """The `auto` decision (`available`: the GiB every rank can use - the trainer passes the least over
     ranks, so every rank decides the same; None: this device's). `recompute_attention`:
-    train.recompute_attention."""
-    if ctx.device.type != "cuda":
+    train.recompute_attention; `scale`: the predicted peaks times this (`step_down`)."""
+    if not models_memory(ctx):
         return CheckpointingChoice(False, "no GPU")
     try:
-        peaks = bdlm_peaks(workload, model, ctx)
+        peaks = bdlm_peaks(workload, model, ctx).scaled(scale)
     except ValueError as err:
         return CheckpointingChoice(False, str(err))
     available = available_gib(ctx.device) if available is None else available
@@ -210,22 +251,23 @@ def resolve_checkpointing(
     reason = (f"predicted {peaks.none:.1f} GiB without it + headroom > {available:.1f} GiB; {peaks.all:.1f} GiB "
               f"with every layer checkpointed, {peaks.kept:.1f} GiB keeping every attention output; "
               f"{peaks.peak(keep, len(attention)):.1f} GiB as chosen")  # fmt: skip
-    return CheckpointingChoice(True, reason, keep_layers=keep, layers=n, attention_layers=attention)
+    return CheckpointingChoice(True, reason + _scaled(scale), keep_layers=keep, layers=n, attention_layers=attention)
 
 
 def resolve_attention(
-    workload, model, ctx, recompute_attention: bool | str = "auto", available: float | None = None
+    workload, model, ctx, recompute_attention: bool | str = "auto", available: float | None = None,
+    scale: float = 1.0,
 ) -> CheckpointingChoice:
     """Under an explicit `activation_checkpointing: true` (every layer checkpointed): which layers keep
     their attention outputs - train.recompute_attention true: none, false: all, auto: those with the most
     attention FLOPs while they fit (no GPU or no memory model: none, as without this option)."""
     layers = int(getattr(getattr(model, "config", None), "num_hidden_layers", 0) or 0)
-    if recompute_attention != "auto" or ctx.device.type != "cuda":
+    if recompute_attention != "auto" or not models_memory(ctx):
         kept = tuple(range(layers)) if recompute_attention is False else ()
         return CheckpointingChoice(True, "as set" if recompute_attention != "auto" else "no GPU", layers=layers,
                                    attention_layers=kept)  # fmt: skip
     try:
-        peaks = bdlm_peaks(workload, model, ctx)
+        peaks = bdlm_peaks(workload, model, ctx).scaled(scale)
     except ValueError as err:
         return CheckpointingChoice(True, str(err), layers=layers)
     available = available_gib(ctx.device) if available is None else available
@@ -233,8 +275,23 @@ def resolve_attention(
     while count < layers and not needs_checkpointing(peaks.peak(0, count + 1), available):
         count += 1
     chosen = tuple(sorted(peaks._by_gain(range(layers))[:count]))
-    reason = f"{peaks.peak(0, count):.1f} GiB predicted, {available:.1f} GiB available"
+    reason = f"{peaks.peak(0, count):.1f} GiB predicted, {available:.1f} GiB available" + _scaled(scale)
     return CheckpointingChoice(True, reason, layers=layers, attention_layers=chosen)
+
+
+def _scaled(scale: float) -> str:
+    return f"; the memory model's peaks x {scale:.2f} after a step ran out of memory" if scale != 1.0 else ""
+
+
+def step_down_scale(peaks: PeakModel, choice: CheckpointingChoice, available: float, scale: float) -> float:
+    """After a step ran out of memory under `choice` (decided with `peaks` - unscaled - times `scale`): the
+    scale to decide again with. The failed choice needed more than `available`, so its peak is scaled to at
+    least that - and at least 10% more than before - and no longer fits: every retry asks for less.
+
+        scale' = max(1.1 x scale, available / predicted peak of the failed choice)
+    """
+    failed = peaks.peak(choice.keep_layers, len(choice.attention_layers)) if choice.enabled else peaks.none
+    return max(1.1 * scale, available / max(failed, 1e-9))
 
 
 def keep_activations(model: torch.nn.Module, keep: int) -> int:
@@ -249,9 +306,11 @@ def keep_activations(model: torch.nn.Module, keep: int) -> int:
 def keep_attention(model: torch.nn.Module, layers: tuple[int, ...]) -> tuple[int, ...]:
     """The decoder layers (indices) whose checkpoint recompute reuses their attention outputs (the model's
     `keep_attention_outputs`, models/bdlm/routing.py). Returns them."""
-    if not layers:
-        return ()
     mark = getattr(model, "keep_attention_outputs", None)
+    if not layers:
+        if mark is not None:  # a plan applied again: no layer keeps its output any more
+            mark(())
+        return ()
     if mark is None:
         raise ValueError(f"train.recompute_attention: {type(model).__name__} cannot keep attention outputs; "
                          "set train.recompute_attention: true")  # fmt: skip

@@ -18,6 +18,7 @@ world size, DP degree or CP mode; parameters are replicated, so any layout loads
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -41,8 +42,10 @@ from .checkpointing import (
     bdlm_peaks,
     keep_activations,
     keep_attention,
+    models_memory,
     resolve_attention,
     resolve_checkpointing,
+    step_down_scale,
 )
 from .context import TrainContext, build_context
 from .metrics import format_step, max_over_ranks, peak_device_tflops, peak_memory_gib, reset_peak_memory
@@ -105,17 +108,7 @@ def _build(workload: Workload, ctx: TrainContext, train: TrainConfig):
     torch.manual_seed(train.seed)
     model = workload.build_model(ctx).to(device=ctx.device, dtype=ctx.param_dtype)
     _broadcast_parameters(model)
-    plan = _checkpointing(train, workload, model, ctx)
-    if plan.enabled:
-        enable = getattr(model, "enable_activation_checkpointing", None)
-        if enable is None:
-            raise ValueError(
-                f"train.activation_checkpointing: {type(model).__name__} has no "
-                f"enable_activation_checkpointing()"
-            )
-        enable()
-        keep = keep_activations(model, plan.keep_layers)
-        plan = replace(plan, keep_layers=keep, attention_layers=keep_attention(model, plan.attention_layers))
+    plan = _apply_checkpointing(model, _checkpointing(train, workload, model, ctx))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     on_gpu = ctx.device.type == "cuda"
@@ -131,8 +124,23 @@ def _build(workload: Workload, ctx: TrainContext, train: TrainConfig):
     return model, optimizer, scheduler, plan
 
 
+def _apply_checkpointing(model: torch.nn.Module, plan: CheckpointingChoice) -> CheckpointingChoice:
+    """Set the model's checkpointing to `plan` (from scratch: applying another plan later replaces it);
+    returns the plan with the layers as marked."""
+    if not plan.enabled:
+        return plan
+    enable = getattr(model, "enable_activation_checkpointing", None)
+    if enable is None:
+        raise ValueError(
+            f"train.activation_checkpointing: {type(model).__name__} has no enable_activation_checkpointing()"
+        )
+    enable()  # every layer checkpointed, then the last keep_layers un-checkpointed
+    keep = keep_activations(model, plan.keep_layers)
+    return replace(plan, keep_layers=keep, attention_layers=keep_attention(model, plan.attention_layers))
+
+
 def _checkpointing(
-    train: TrainConfig, workload: Workload, model: torch.nn.Module, ctx: TrainContext
+    train: TrainConfig, workload: Workload, model: torch.nn.Module, ctx: TrainContext, scale: float = 1.0
 ) -> CheckpointingChoice:
     """Checkpointing on?, the layers that keep their activations, and which checkpointed layers keep their
     attention outputs: train.activation_checkpointing / recompute_attention, `auto` decided from the memory
@@ -141,14 +149,14 @@ def _checkpointing(
     if train.activation_checkpointing is False:
         return CheckpointingChoice(False)
     available = None
-    if ctx.device.type == "cuda":
+    if models_memory(ctx):
         available = -max_over_ranks(-available_gib(ctx.device), ctx.device)
     if train.activation_checkpointing is True:
-        choice = resolve_attention(workload, model, ctx, train.recompute_attention, available)
+        choice = resolve_attention(workload, model, ctx, train.recompute_attention, available, scale)
         if ctx.is_main and train.recompute_attention == "auto":
             print(f"specforge-csbp: {choice.line('train.recompute_attention')}", flush=True)
         return choice
-    choice = resolve_checkpointing(workload, model, ctx, train.recompute_attention, available)
+    choice = resolve_checkpointing(workload, model, ctx, train.recompute_attention, available, scale)
     if ctx.is_main:
         print(f"specforge-csbp: {choice.line()}", flush=True)
     return choice
@@ -188,6 +196,35 @@ def _out_of_memory_advice(workload: Workload, model, ctx: TrainContext, train: T
         todo.append("lower " + (", ".join(lower[:-1]) + " or " if len(lower) > 1 else "") + lower[-1])
     todo.append(f"add GPUs (parallel.cp_degree, now {ctx.cp_size})")
     return predicted + ", ".join(todo[:-1]) + (", or " if len(todo) > 1 else "") + todo[-1]
+
+
+def _step_down(workload: Workload, model, ctx: TrainContext, train: TrainConfig, failed: CheckpointingChoice,
+               scale: float, error: str) -> tuple[float, CheckpointingChoice] | None:  # fmt: skip
+    """After a step ran out of memory on some rank (every rank gets here: they agreed on it): when `auto`
+    chose the failed setting from the memory model, decide again with its peaks scaled up
+    (`step_down_scale`) and apply the new choice - (scale, choice) to retry the step with; None when
+    nothing was auto or nothing smaller is left (the run stops with the advice). Every rank computes the
+    same: the same failed choice and the least available memory over ranks."""
+    auto = train.activation_checkpointing == "auto" or (failed.enabled and train.recompute_attention == "auto")
+    if not (auto and models_memory(ctx)):
+        return None
+    try:
+        peaks = bdlm_peaks(workload, model, ctx)
+    except ValueError:
+        return None
+    gc.collect()  # the failed step's tensors
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+    available = -max_over_ranks(-available_gib(ctx.device), ctx.device)
+    scale = step_down_scale(peaks, failed, available, scale)
+    if ctx.is_main:
+        print(f"specforge-csbp: {error}; auto decides again with the memory model's peaks x {scale:.2f}", flush=True)
+    choice = _checkpointing(train, workload, model, ctx, scale)
+    if (choice.enabled, choice.keep_layers, choice.attention_layers) == (
+        failed.enabled, failed.keep_layers, failed.attention_layers
+    ):
+        return None
+    return scale, _apply_checkpointing(model, choice)
 
 
 def _max_over_ranks(seconds: float, peak_gib: float, device: torch.device) -> tuple[float, float]:
@@ -305,15 +342,21 @@ def train(
     history: list[dict] = []
     bar = tqdm(total=train.steps, initial=start, disable=not (ctx.is_main and train.progress), desc="train")
     log_file = _open_log(train, ctx, start)
+    memory_scale = 1.0  # the memory model's peaks times this (`_step_down`, after a step ran out of memory)
     try:
-        for step in range(start, train.steps):
+        step = start
+        while step < train.steps:
             try:
                 metrics = _timed_step(
                     workload, model, optimizer, scheduler, ctx, train, step, tokens, flops, peak
                 )
-            except StepOutOfMemory as err:  # every rank: the same line, with what to change
-                advice = _out_of_memory_advice(workload, model, ctx, train, recipe or {}, checkpointing)
-                raise StepOutOfMemory(f"{err}; {advice}") from None
+            except StepOutOfMemory as err:  # every rank: auto decides again and retries, or the same line
+                retry = _step_down(workload, model, ctx, train, checkpointing, memory_scale, str(err))
+                if retry is None:
+                    advice = _out_of_memory_advice(workload, model, ctx, train, recipe or {}, checkpointing)
+                    raise StepOutOfMemory(f"{err}; {advice}") from None
+                memory_scale, checkpointing = retry
+                continue  # the same step again (seed_step: it draws what it drew)
             history.append(metrics)
             if ctx.is_main:
                 _report(metrics, train, bar, log_file)
@@ -329,6 +372,7 @@ def train(
                         keep=train.keep_checkpoints,
                     )
                 dist.barrier()
+            step += 1
     finally:
         bar.close()
         if log_file is not None:

@@ -140,10 +140,12 @@ def test_qwen3_1p7b_at_64k_keeps_attention_instead_of_a_layer():
     peaks = bdlm_peaks(*_run(65536))
     whole, none_kept = peaks.choose(139.0, recompute_attention=True)
     assert 0 < whole < 4 and none_kept == ()
-    keep, attention = peaks.choose(139.0)
+    keep, attention = peaks.choose(139.0)  # one H200: every output (measured 112.2 GiB), no whole layer
+    assert keep == 0 and attention == tuple(range(28))
+    keep, attention = peaks.choose(110.0)  # less memory: as many outputs as fit
     assert keep == 0 and len(attention) > 4 * whole
-    assert not needs_checkpointing(peaks.peak(0, len(attention)), 139.0)
-    assert needs_checkpointing(peaks.peak(0, len(attention) + 1), 139.0)
+    assert not needs_checkpointing(peaks.peak(0, len(attention)), 110.0)
+    assert needs_checkpointing(peaks.peak(0, len(attention) + 1), 110.0)
     assert sum(peaks.attention_flops) > 2 * 28 * peaks.other_flops  # attention dominates a 64K layer
 
 
@@ -215,3 +217,71 @@ def test_trainer_applies_auto_and_keeps_explicit_values(monkeypatch, capsys):
         TrainConfig(activation_checkpointing="sometimes")
     with pytest.raises(ValueError, match="recompute_attention"):
         TrainConfig(recompute_attention="sometimes")
+
+
+@pytest.mark.parametrize(
+    "block, groups, window",
+    [(32, 2, None), (32, 4, None), (32, 4, 256), (16, 2, 256), (32, 8, None), (8, 4, 96)],
+)
+def test_the_packing_guess_on_a_short_probe_matches_the_full_sequence(block, groups, window, monkeypatch):
+    """`layer_packs` counts tiles on a probe sequence; its answer is the one `should_pack` gives the whole
+    sequence's 2L mask (here 4x the probe), for full and sliding layers, 2-8 query heads per KV head."""
+    from specforge_csbp.attention.packing import should_pack
+    from specforge_csbp.layout.plans import bdlm_plan
+    from specforge_csbp.masks import Visibility
+    from specforge_csbp.training import checkpointing
+
+    monkeypatch.setattr(checkpointing, "PACKING_PROBE_TOKENS", 1024)
+    checkpointing.layer_packs.cache_clear()
+    plan = bdlm_plan("csbp", 4096, block, 1)[0]
+    full = should_pack(Visibility(plan.q_tokens, plan.kv_tokens, block, window=window), groups, "cpu")
+    assert checkpointing.layer_packs(4096, block, groups, window, "causal") == full
+    checkpointing.layer_packs.cache_clear()
+
+
+def test_the_packing_copy_is_counted_per_layer():
+    """bdlm_step_memory: a flag per layer counts GQA packing's output copy (e H D per row) only where set."""
+    from specforge_csbp.planner.memory import bdlm_step_memory
+    from specforge_csbp.planner.pairs import bdlm_rank_stats
+    from specforge_csbp.planner.shapes import load_shape
+
+    shape = load_shape(json.loads((ROOT / "benchmarks/configs/qwen3-1.7b.json").read_text()))
+    (stats,) = bdlm_rank_stats("csbp", 8192, 32, 1, "causal")
+    n = shape.layers
+
+    def act(packed, **kw):
+        kw = {"views": 1, "elem_bytes": 2, "state_bytes": 16.0, "ce_chunk": 4096, "reserved_gib": 0.0,
+              "residual_bytes": 4, **kw}  # fmt: skip
+        return bdlm_step_memory(shape, stats, gqa_packed=packed, **kw).activations
+
+    copy = 2 * 8192 * 2 * shape.heads * shape.head_dim / 2**30  # e H D per 2L row, one layer
+    assert act([True] * n, checkpointing=False) == pytest.approx(act(True, checkpointing=False))
+    assert act(True, checkpointing=False) - act(False, checkpointing=False) == pytest.approx(n * copy)
+    assert act([i < 3 for i in range(n)], checkpointing=False) - act(False, checkpointing=False) == pytest.approx(3 * copy)
+    kept = {"checkpointing": True, "attention_kept": True}
+    assert act([i < 5 for i in range(n)], **kept) - act(False, **kept) == pytest.approx(5 * copy + copy)  # + the recomputed layer's
+    with pytest.raises(ValueError, match="gqa_packed: one flag per layer"):
+        act([True] * (n - 1), checkpointing=False)
+
+
+def test_a_step_down_asks_for_less_every_time():
+    """step_down_scale: the failed choice no longer fits at the new scale, and the scale grows >= 10% per
+    retry, so a run steps down to everything checkpointed and recomputed (then nothing smaller is left)."""
+    from specforge_csbp.training.checkpointing import CheckpointingChoice, step_down_scale
+
+    peaks = PeakModel(none=210.0, all=10.0, kept=30.0, layers=10, attention_flops=(1.0,) * 10, other_flops=1.0)
+    available, scale = _cap(100.0), 1.0
+    keep, attention = peaks.choose(available)
+    seen = []
+    while True:
+        choice = CheckpointingChoice(True, keep_layers=keep, layers=10, attention_layers=attention)
+        failed_peak = peaks.peak(keep, len(attention))
+        new = step_down_scale(peaks, choice, available, scale)
+        assert new >= 1.1 * scale and needs_checkpointing(failed_peak * new, available)  # it no longer fits
+        scale = new
+        seen.append(failed_peak)
+        keep, attention = peaks.scaled(scale).choose(available)
+        if (keep, attention) == (0, ()) or len(seen) > 20:
+            break
+    assert seen == sorted(seen, reverse=True) and len(set(seen)) == len(seen)  # strictly less each time
+    assert (keep, attention) == (0, ())

@@ -164,10 +164,12 @@ class BDLMModel(nn.Module):
             self.keep_attention_outputs(range(len(self.lm.base_model.layers)))
 
     def keep_attention_outputs(self, layers) -> int:
-        """The decoder layers at these indices reuse their attention outputs in their checkpoint recompute
-        (routing.py). Returns how many."""
+        """The decoder layers at these indices, and only these, reuse their attention outputs in their
+        checkpoint recompute (routing.py); the others attend again. Returns how many."""
         decoder = self.lm.base_model.layers
-        return keep_attention_outputs([decoder[i] for i in layers])
+        chosen = set(layers)
+        keep_attention_outputs([m for i, m in enumerate(decoder) if i not in chosen], keep=False)
+        return keep_attention_outputs([decoder[i] for i in sorted(chosen)])
 
     def attention(
         self, mode: str, seq_len: int, group: dist.ProcessGroup | None = None

@@ -159,14 +159,14 @@ def routed_attention(
     return out.transpose(1, 2), None
 
 
-def keep_attention_outputs(layers: list[nn.Module]) -> int:
+def keep_attention_outputs(layers: list[nn.Module], keep: bool = True) -> int:
     """Mark the attention module (`self_attn`) of each decoder layer in `layers` to keep its output for
-    the layer's checkpoint recompute. Returns how many were marked."""
+    the layer's checkpoint recompute (`keep=False`: to attend again). Returns how many were marked."""
     for layer in layers:
         attn = getattr(layer, "self_attn", None)
         if attn is None:
             raise ValueError(f"model: {type(layer).__name__} has no self_attn; its attention cannot be kept")
-        setattr(attn, KEEP_ATTENTION, True)
+        setattr(attn, KEEP_ATTENTION, keep)
     return len(layers)
 
 
