@@ -102,11 +102,13 @@ def main(argv: list[str] | None = None) -> int:
         "code": library_digest(), "mfu": med("mfu"), "trainer": "specforge-csbp train-bdlm",
         "model": (recipe.model.config or {}).get("model_type", recipe.model.pretrained),
         "activation_checkpointing": recipe.train.activation_checkpointing,
-        "recompute_attention": recipe.train.recompute_attention, "steps": steps,
+        "recompute_attention": recipe.train.recompute_attention, "compile_norms": recipe.train.compile_norms,
+        "steps": steps,
     }  # fmt: skip
-    choice = CHOICE_LINE.search(text)  # what auto chose, as the trainer printed it
-    if choice:
-        record["checkpointing_choice"] = choice.group(1)
+    choices = CHOICE_LINE.findall(text)  # what auto chose, as the trainer printed it (the last: what ran)
+    if choices:
+        record["checkpointing_choice"] = choices[-1]
+    record["step_downs"] = text.count("auto decides again")  # steps retried after running out of memory
     if record["status"] != "ok":
         record["error"] = error or "no step line: see the log"
         record["log"] = log

@@ -104,6 +104,11 @@ class TrainConfig(Section):
         "false keeps each layer's attention output and saved tensors for it instead (no attention FLOPs or "
         "collectives recomputed, more memory per layer); auto: false when the memory model says it fits",
     )
+    compile_norms: bool | Literal["auto"] = Field(
+        "auto",
+        description="compile each RMSNorm (torch.compile, one graph per shape shared by every layer): one "
+        "fused kernel where eager runs ~6 elementwise passes over the rows; auto: on GPUs",
+    )
     precision: Literal["auto", "float32", "bfloat16", "float64"] = Field(
         "auto",
         description="auto: bf16 autocast on GPU, float32 on CPU; bfloat16 = fp32 weights + bf16 autocast",

@@ -109,6 +109,11 @@ def _build(workload: Workload, ctx: TrainContext, train: TrainConfig):
     model = workload.build_model(ctx).to(device=ctx.device, dtype=ctx.param_dtype)
     _broadcast_parameters(model)
     plan = _apply_checkpointing(model, _checkpointing(train, workload, model, ctx))
+    if train.compile_norms is True or (train.compile_norms == "auto" and ctx.device.type == "cuda"):
+        compile_norms = getattr(model, "compile_norms", None)
+        if compile_norms is None:
+            raise ValueError(f"train.compile_norms: {type(model).__name__} has no compile_norms(); set it to false")
+        compile_norms()
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     on_gpu = ctx.device.type == "cuda"

@@ -51,6 +51,8 @@ CASES: dict[str, tuple[list[str], str | None, str]] = {
                   "train.precision: Input should be 'auto', 'float32', 'bfloat16' or 'float64'"),
     "recompute-attention": (["train.recompute_attention=sometimes"], None,
                             "train.recompute_attention: must be true, false or 'auto' (got 'sometimes')"),
+    "compile-norms": (["train.compile_norms=fast"], None,
+                      "train.compile_norms: must be true, false or 'auto' (got 'fast')"),
     "checkpointing": (["train.activation_checkpointing=2"], None,
                       "train.activation_checkpointing: must be true, false or 'auto' (got 2)"),
     "lr": (["train.lr=0"], None, "train.lr: Input should be greater than 0"),
