@@ -35,6 +35,7 @@ from .preflight import check_input_file
 
 __all__ = [
     "RunFault",
+    "allocation_size",
     "format_validation_error",
     "is_out_of_memory",
     "is_user_error",
@@ -65,12 +66,17 @@ def is_out_of_memory(err: BaseException) -> bool:
     return type(err).__name__ == "OutOfMemoryError" or any(m in str(err) for m in _OUT_OF_MEMORY)
 
 
+def allocation_size(err: BaseException | str) -> str | None:
+    """The size an out-of-memory error says it tried to allocate ('2.00 GiB'), from torch's message."""
+    tried = re.search(r"[Tt]ried to allocate ([0-9.]+ [KMGT]?i?B)", str(err))
+    return tried.group(1) if tried else None
+
+
 def _out_of_memory(err: BaseException) -> str:
     """'device out of memory (tried to allocate 2.00 GiB of a 139.80 GiB GPU); ...' from torch's message."""
-    text = str(err)
-    tried = re.search(r"[Tt]ried to allocate ([0-9.]+ [KMGT]?i?B)", text)
-    total = re.search(r"total capacity of ([0-9.]+ [KMGT]?i?B)", text)
-    what = ", ".join(p for p in (tried and f"tried to allocate {tried.group(1)}",
+    tried = allocation_size(err)
+    total = re.search(r"total capacity of ([0-9.]+ [KMGT]?i?B)", str(err))
+    what = ", ".join(p for p in (tried and f"tried to allocate {tried}",
                                  total and f"of a {total.group(1)} device") if p)  # fmt: skip
     return (f"device out of memory{f' ({what})' if what else ''}: use a shorter context, a smaller batch or "
             "more GPUs, or free the device of other processes")

@@ -12,7 +12,6 @@ and tensor (`NonFiniteError`, `StepOutOfMemory`).
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed.launch import heartbeat
-from ..errors import RunFault
+from ..errors import RunFault, allocation_size
 from .context import TrainContext
 from .validate import first_nonfinite
 from .workload import Workload
@@ -114,8 +113,8 @@ def _any_rank(flags: list[bool], group) -> list[bool]:
 def _oom_detail(err: BaseException, device: torch.device | None) -> str:
     """What this rank had when the allocation failed, e.g. 'tried to allocate 2.00 GiB; peak 130.1 GiB
     allocated of 139.8 GiB' (torch's message and the CUDA allocator; parts it cannot know are left out)."""
-    found = re.search(r"Tried to allocate ([0-9.]+ [KMGT]?i?B)", str(err))
-    parts = [f"tried to allocate {found.group(1)}"] if found else []
+    tried = allocation_size(err)
+    parts = [f"tried to allocate {tried}"] if tried else []
     if device is not None and device.type == "cuda":
         with contextlib.suppress(RuntimeError):
             peak = torch.cuda.max_memory_allocated(device) / 2**30
