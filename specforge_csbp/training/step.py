@@ -195,6 +195,7 @@ def train_step(
             numerators.append(numerator.detach().double())
     except _OOM as err:
         oom = _oom_detail(err, getattr(ctx, "device", None))
+        numerator = None  # the failed micro batch's graph (its saved activations): free it before a retry
     values = torch.stack(numerators).cpu() if numerators else torch.zeros(0, dtype=torch.float64)
     for i, value in enumerate(values):  # summed in micro-batch order, as before: the same float64 total
         total += value

@@ -112,3 +112,42 @@ def test_two_ranks_stop_together_and_keep_the_checkpoint(tmp_path):
     assert weights(tmp_path / "nan_loss").keys() == weights(tmp_path / "inf_grad").keys()
     assert all(torch.equal(a, b) for a, b in zip(weights(tmp_path / "nan_loss").values(),
                                                    weights(tmp_path / "inf_grad").values()))  # fmt: skip
+
+
+class _OutOfMemoryInBackward(_Linear):
+    """The loss's backward runs out of memory; `saved` is a weak reference to a tensor its graph saved."""
+
+    def loss_numerator(self, model, batch, ctx):
+        import weakref
+
+        hidden = model(batch.x) * 1.0
+        squared = hidden * hidden  # saves `hidden` for backward
+        self.saved = weakref.ref(hidden)
+
+        def oom(g):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB.")
+
+        squared.register_hook(oom)
+        return squared.sum()
+
+
+def test_an_out_of_memory_step_frees_its_graph_before_it_raises():
+    """The trainer retries a step that ran out of memory under auto's choice (training/trainer.py
+    `_step_down`) while the exception is being handled: the failed micro batch's graph - its saved
+    activations - must already be gone then, not kept alive by the step's frame in the traceback."""
+    from specforge_csbp.training.step import StepOutOfMemory
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    work = _OutOfMemoryInBackward()
+    ctx = types.SimpleNamespace(autocast=contextlib.nullcontext)
+    with one_rank_group():
+        try:
+            train_step(model, opt, work, ctx, 0, grad_clip=1.0)
+        except StepOutOfMemory as err:
+            assert "device out of memory on rank 0 (tried to allocate 4.00 GiB)" in str(err)
+            assert work.saved() is None  # freed while the exception (and its traceback) is alive
+        else:
+            raise AssertionError("the step did not run out of memory")
+        assert all(p.grad is None for p in model.parameters())
