@@ -32,8 +32,9 @@ from --heads / --kv-heads / --head-dim (default: Qwen3-1.7B's), TFLOP/s from its
 
     python benchmarks/flex_layer_bench.py --context 64K --variants bdlm:static+divisible,bdlm:static+divisible+USE_TMA=1
 
-Prints one line per variant (lengths, tiles visited, forward and forward + backward ms); diagnostics only, no records. On CPU the same
-paths run at small sizes (forward only through eager FlexAttention; tests/benchmarks/test_flex_layer_bench_smoke.py).
+Prints one line per variant (lengths, tiles visited, forward and forward + backward ms); diagnostics only,
+no records. On CPU the same paths run at small sizes (forward only through eager FlexAttention;
+tests/benchmarks/test_flex_layer_bench_smoke.py).
 """
 
 from __future__ import annotations

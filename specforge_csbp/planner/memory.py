@@ -19,7 +19,6 @@ Training step: see `bdlm_step_memory` and `drafter_step_memory` (GPU, bf16, Flex
 from __future__ import annotations
 
 from collections.abc import Sequence
-
 from dataclasses import dataclass
 
 from .pairs import DrafterRankStats, RankStats
@@ -210,8 +209,9 @@ def bdlm_step_memory(
     GEMMs run in bf16), else elem_bytes. Each layer saves `decoder_layer_bytes_per_row` per row;
     gqa_packed: count FlexAttention's GQA packing copy, for every layer or per layer (it packs whenever that
     visits fewer tiles, e.g. every layer of the Gemma-3-1B recipe at 32K, none of Qwen3-1.7B's at 64K;
-    counting it where a layer does not pack is e H D per row over). attention_kept (with checkpointing): every checkpointed layer also keeps its attention's saved
-    tensors and gathered K/V (no attention in the recompute, models/bdlm/routing.py)."""
+    counting it where a layer does not pack is e H D per row over). attention_kept (with checkpointing):
+    every checkpointed layer also keeps its attention's saved tensors and gathered K/V (no attention in the
+    recompute, models/bdlm/routing.py)."""
     rows = views * s.q_rows
     res = residual_bytes or elem_bytes
     packed = [gqa_packed] * shape.layers if isinstance(gqa_packed, bool) else list(gqa_packed)

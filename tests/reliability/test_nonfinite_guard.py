@@ -47,12 +47,16 @@ class _Linear:
         return loss
 
 
-def test_the_step_is_refused_and_nothing_changes():
+def _linear_run(work: _Linear):
+    """(model, optimizer, work, ctx) of a one-rank step over the tiny linear workload."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    work = _Linear()
-    ctx = types.SimpleNamespace(autocast=contextlib.nullcontext)
+    return model, opt, work, types.SimpleNamespace(autocast=contextlib.nullcontext)
+
+
+def test_the_step_is_refused_and_nothing_changes():
+    model, opt, work, ctx = _linear_run(_Linear())
     with one_rank_group():
         train_step(model, opt, work, ctx, 0, grad_clip=1.0)
         params, state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
@@ -137,11 +141,7 @@ def test_an_out_of_memory_step_frees_its_graph_before_it_raises():
     activations - must already be gone then, not kept alive by the step's frame in the traceback."""
     from specforge_csbp.training.step import StepOutOfMemory
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(3, 2)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    work = _OutOfMemoryInBackward()
-    ctx = types.SimpleNamespace(autocast=contextlib.nullcontext)
+    model, opt, work, ctx = _linear_run(_OutOfMemoryInBackward())
     with one_rank_group():
         try:
             train_step(model, opt, work, ctx, 0, grad_clip=1.0)

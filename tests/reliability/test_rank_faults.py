@@ -177,26 +177,32 @@ def _train_log(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
 
 
+#: every un-checkpointed step runs out of memory on rank 1, and auto sees a GPU with 1000 GiB (faked on the CPU)
+OOM_UNLESS_CHECKPOINTED = {"SPECFORGE_CSBP_TEST_FAULT": "oom-full:1:0", "SPECFORGE_CSBP_TEST_MEMORY_GIB": "1000"}
+
+
+def _train(out: Path, extra_env: dict, *overrides: str) -> subprocess.CompletedProcess:
+    """`train-bdlm` on 2 gloo ranks (spawned by the CLI) with the fault site's variables in `extra_env`."""
+    args = ["-m", "specforge_csbp", "train-bdlm", "-c", SFT, *RUN, f"train.output_dir={out}", *overrides]
+    env = {**os.environ, "PYTHONPATH": f"{SITE}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1", **extra_env}
+    env.pop(relay.ENV, None)
+    return subprocess.run([sys.executable, *args], check=False, env=env, capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)  # fmt: skip
+
+
 def test_auto_decides_again_when_a_step_runs_out_of_memory(tmp_path):
     """`activation_checkpointing: auto` chose off from the memory model (here: 1000 GiB available, faked on
     the CPU); every step without checkpointing runs out of memory on rank 1. Every rank decides again with
     the model's peaks scaled up, checkpoints, and retries the step: the run finishes with the losses of a run
     that never ran out (checkpointing recomputes exactly)."""
-    def run(out, extra_env, *overrides):
-        args = ["-m", "specforge_csbp", "train-bdlm", "-c", SFT, *RUN, f"train.output_dir={out}", *overrides]
-        env = {**os.environ, "PYTHONPATH": f"{SITE}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1", **extra_env}
-        env.pop(relay.ENV, None)
-        return subprocess.run([sys.executable, *args], check=False, env=env, capture_output=True, text=True,
-                              timeout=300, cwd=ROOT)  # fmt: skip
-
-    faulty = run(tmp_path / "auto", {"SPECFORGE_CSBP_TEST_FAULT": "oom-full:1:0", "SPECFORGE_CSBP_TEST_MEMORY_GIB": "1000"})
+    faulty = _train(tmp_path / "auto", OOM_UNLESS_CHECKPOINTED)
     assert faulty.returncode == 0, faulty.stdout[-3000:] + faulty.stderr[-3000:]
     out = faulty.stdout
     assert out.count("auto decides again") == 1, out
     assert "step 1: device out of memory on rank 1 (tried to allocate 4.00 GiB)" in out, out
     first, second = [line for line in out.splitlines() if "train.activation_checkpointing auto ->" in line]
     assert "auto -> off" in first and "auto -> on" in second and "after a step ran out of memory" in second, out
-    reference = run(tmp_path / "ref", {}, "train.activation_checkpointing=false")
+    reference = _train(tmp_path / "ref", {}, "train.activation_checkpointing=false")
     assert reference.returncode == 0, reference.stderr[-3000:]
     got, want = _train_log(tmp_path / "auto"), _train_log(tmp_path / "ref")
     assert [m["step"] for m in got] == [1, 2]
@@ -206,13 +212,9 @@ def test_auto_decides_again_when_a_step_runs_out_of_memory(tmp_path):
 def test_nothing_smaller_left_stops_with_the_advice(tmp_path):
     """Explicit settings are never changed: with checkpointing off as set, the out-of-memory step stops the
     run with its one line, as before."""
-    env = {**os.environ, "PYTHONPATH": f"{SITE}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1",
-           "SPECFORGE_CSBP_TEST_FAULT": "oom-full:1:0", "SPECFORGE_CSBP_TEST_MEMORY_GIB": "1000"}  # fmt: skip
-    env.pop(relay.ENV, None)
-    proc = subprocess.run([sys.executable, "-m", "specforge_csbp", "train-bdlm", "-c", SFT, *RUN,
-                           f"train.output_dir={tmp_path / 'out'}", "train.activation_checkpointing=false"],
-                          check=False, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    proc = _train(tmp_path / "out", OOM_UNLESS_CHECKPOINTED, "train.activation_checkpointing=false")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "auto decides again" not in proc.stdout
     (line,) = _lines(proc.stderr)
-    assert line.startswith(f"{PROG} error: step 1: device out of memory on rank 1") and "set train.activation_checkpointing: true (now false)" in line, line
+    assert line.startswith(f"{PROG} error: step 1: device out of memory on rank 1"), line
+    assert "set train.activation_checkpointing: true (now false)" in line, line

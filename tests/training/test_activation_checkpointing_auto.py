@@ -257,9 +257,12 @@ def test_the_packing_copy_is_counted_per_layer():
     copy = 2 * 8192 * 2 * shape.heads * shape.head_dim / 2**30  # e H D per 2L row, one layer
     assert act([True] * n, checkpointing=False) == pytest.approx(act(True, checkpointing=False))
     assert act(True, checkpointing=False) - act(False, checkpointing=False) == pytest.approx(n * copy)
-    assert act([i < 3 for i in range(n)], checkpointing=False) - act(False, checkpointing=False) == pytest.approx(3 * copy)
+    first_three = [i < 3 for i in range(n)]
+    assert act(first_three, checkpointing=False) - act(False, checkpointing=False) == pytest.approx(3 * copy)
     kept = {"checkpointing": True, "attention_kept": True}
-    assert act([i < 5 for i in range(n)], **kept) - act(False, **kept) == pytest.approx(5 * copy + copy)  # + the recomputed layer's
+    first_five = [i < 5 for i in range(n)]
+    # every kept layer's copy + the one recomputed layer's
+    assert act(first_five, **kept) - act(False, **kept) == pytest.approx(5 * copy + copy)
     with pytest.raises(ValueError, match="gqa_packed: one flag per layer"):
         act([True] * (n - 1), checkpointing=False)
 
