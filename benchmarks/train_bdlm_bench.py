@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         "code": library_digest(), "mfu": med("mfu"), "trainer": "specforge-csbp train-bdlm",
         "model": (recipe.model.config or {}).get("model_type", recipe.model.pretrained),
         "activation_checkpointing": recipe.train.activation_checkpointing,
-        "recompute_attention": recipe.train.recompute_attention, "compile_norms": recipe.train.compile_norms,
+        "recompute_attention": recipe.train.recompute_attention, "compile": recipe.train.compile,
         "steps": steps,
     }  # fmt: skip
     choices = CHOICE_LINE.findall(text)  # what auto chose, as the trainer printed it (the last: what ran)

@@ -129,7 +129,9 @@ def _union_alternatives(errors: list[dict]) -> list[str] | None:
     alternatives: list[str] = []
     for e in members:
         if e["type"] == "literal_error":
-            alternatives.append(str((e.get("ctx") or {}).get("expected", e["loc"][-1])))
+            # pydantic words a literal's values as one phrase, "'a', 'b' or 'c'": one alternative each
+            expected = str((e.get("ctx") or {}).get("expected", e["loc"][-1]))
+            alternatives += expected.replace(" or ", ", ").split(", ")
         elif e["type"] in _ACCEPTS:
             alternatives += ["true", "false"] if e["type"].startswith("bool") else [_ACCEPTS[e["type"]]]
         else:

@@ -104,10 +104,12 @@ class TrainConfig(Section):
         "false keeps each layer's attention output and saved tensors for it instead (no attention FLOPs or "
         "collectives recomputed, more memory per layer); auto: false when the memory model says it fits",
     )
-    compile_norms: bool | Literal["auto"] = Field(
+    compile: bool | Literal["auto", "layers", "norms"] = Field(
         "auto",
-        description="compile each RMSNorm (torch.compile, one graph per shape shared by every layer): one "
-        "fused kernel where eager runs ~6 elementwise passes over the rows; auto: on GPUs",
+        description="torch.compile the token-wise work of every decoder layer in place (one graph per shape "
+        "shared by the layers): layers (= true) = attention's projections, q/k norms and RoPE around the "
+        "routed attention call, dense MLPs and every RMSNorm; norms = the RMSNorms only; false = eager; "
+        "auto: layers on GPUs, eager on the CPU",
     )
     precision: Literal["auto", "float32", "bfloat16", "float64"] = Field(
         "auto",

@@ -104,16 +104,26 @@ def _broadcast_parameters(model: torch.nn.Module) -> None:
             dist.broadcast(t.data, src=0)
 
 
+def _compile_scope(setting: bool | str, device: torch.device) -> str | None:
+    """train.compile -> what `compile_token_wise` compiles ("layers", "norms"), None for eager."""
+    if setting == "auto":
+        return "layers" if device.type == "cuda" else None
+    if setting is True:
+        return "layers"
+    return setting or None
+
+
 def _build(workload: Workload, ctx: TrainContext, train: TrainConfig):
     torch.manual_seed(train.seed)
     model = workload.build_model(ctx).to(device=ctx.device, dtype=ctx.param_dtype)
     _broadcast_parameters(model)
     plan = _apply_checkpointing(model, _checkpointing(train, workload, model, ctx))
-    if train.compile_norms is True or (train.compile_norms == "auto" and ctx.device.type == "cuda"):
-        compile_norms = getattr(model, "compile_norms", None)
-        if compile_norms is None:
-            raise ValueError(f"train.compile_norms: {type(model).__name__} has no compile_norms(); set it to false")
-        compile_norms()
+    scope = _compile_scope(train.compile, ctx.device)
+    if scope is not None:
+        compile_token_wise = getattr(model, "compile_token_wise", None)
+        if compile_token_wise is None:
+            raise ValueError(f"train.compile: {type(model).__name__} has no compile_token_wise(); set it to false")
+        compile_token_wise(scope)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     on_gpu = ctx.device.type == "cuda"

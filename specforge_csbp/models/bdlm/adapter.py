@@ -25,7 +25,10 @@ from ...masks.visibility import CLEAN_RULES
 from ...parallel import AttentionOptions, ShardedAttention, bdlm_attention
 from .routing import ATTENTION_NAME, ROUTE_KWARG, Route, check_routable, keep_attention_outputs, register_attention
 
-__all__ = ["BDLMModel"]
+__all__ = ["BDLMModel", "COMPILE_SCOPES"]
+
+#: what `BDLMModel.compile_token_wise` compiles (train.compile)
+COMPILE_SCOPES = ("layers", "norms")
 
 
 def _set_attention(lm: nn.Module, name: str) -> None:
@@ -41,6 +44,11 @@ def _set_attention(lm: nn.Module, name: str) -> None:
 def _is_moe(config) -> bool:
     """Mixture-of-experts MLPs (Qwen3-MoE `num_experts`, Mixtral `num_local_experts`)."""
     return any(getattr(config, f, None) for f in ("num_experts", "num_local_experts"))
+
+
+def _is_expert_block(mlp: nn.Module) -> bool:
+    """A mixture-of-experts block (experts behind a router), not a dense MLP."""
+    return hasattr(mlp, "experts")
 
 
 def _load_kwargs(config, dtype: torch.dtype | None, experts: str | None = None) -> dict[str, Any]:
@@ -163,16 +171,36 @@ class BDLMModel(nn.Module):
         if keep_attention:
             self.keep_attention_outputs(range(len(self.lm.base_model.layers)))
 
-    def compile_norms(self) -> int:
-        """torch.compile every RMSNorm module of the LM in place (transformers' own forward, whatever the
-        family's norm computes). Why: eager RMSNorm is ~6 elementwise passes (cast, pow, mean, rsqrt, two
-        multiplies) over every row in forward, recompute and backward - at long contexts 10-20% of a step
-        next to attention and GEMMs; compiled it is one fused kernel each way. Dynamo traces the module's
-        parameters as inputs, so the layers share one graph per (class, input shape, dtype). Returns how many."""
-        norms = [m for m in self.lm.modules() if type(m).__name__.endswith("RMSNorm")]
-        for m in norms:
+    def compile_token_wise(self, scope: str = "layers") -> int:
+        """torch.compile the token-wise work of the LM in place (transformers' own forwards), per `scope`:
+
+            "norms"   every RMSNorm module
+            "layers"  the norms, and in every decoder layer its attention module - q/k/v projections,
+                      q/k norms, RoPE, o_proj, compiled around the routed attention call, which stays
+                      eager (`routing.routed_attention` is opaque to dynamo: its executor runs its own
+                      compiled kernels and collectives) - and its MLP unless it is a mixture of experts
+                      (expert dispatch has data-dependent shapes)
+
+            decoder layer, eager:   norm | q,k,v proj | q/k norm | RoPE | attention | o_proj | norm | MLP
+            "layers":              [norm][  one graph: proj, norms, RoPE ][eager ][graph][norm][graph]
+
+        Why: eager, each of these is a chain of elementwise passes over every row (RMSNorm ~6, RoPE ~8 on
+        strided views, SiLU-and-multiply 3) in forward, recompute and backward - at long contexts the
+        largest cost next to attention and GEMMs; compiled, each chain is one kernel each way. Dynamo
+        traces module parameters as inputs, so the layers share one graph per (class, input shape, dtype,
+        window). Returns how many modules were compiled."""
+        if scope not in COMPILE_SCOPES:
+            raise ValueError(f"train.compile: scope must be one of {', '.join(COMPILE_SCOPES)}; got {scope!r}")
+        modules = [m for m in self.lm.modules() if type(m).__name__.endswith("RMSNorm")]
+        if scope == "layers":
+            for layer in self.lm.base_model.layers:
+                modules.append(layer.self_attn)
+                mlp = getattr(layer, "mlp", None)
+                if mlp is not None and not _is_expert_block(mlp):
+                    modules.append(mlp)
+        for m in modules:
             m.compile(dynamic=None)
-        return len(norms)
+        return len(modules)
 
     def keep_attention_outputs(self, layers) -> int:
         """The decoder layers at these indices, and only these, reuse their attention outputs in their

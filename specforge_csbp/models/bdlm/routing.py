@@ -110,6 +110,10 @@ class Route:
         return windowed(window)
 
 
+# Opaque to dynamo (`BDLMModel.compile_token_wise` compiles the attention module around this call): the
+# executor is plan-driven Python with collectives and saved-tensor hooks; the kernels it calls compile
+# themselves (a torch.compile'd function called in here still compiles).
+@torch.compiler.disable
 def routed_attention(
     module: nn.Module,
     query: torch.Tensor,
