@@ -12,9 +12,10 @@ ranks' shards ++ owned blocks) and times it on random bf16 tensors after `fresh_
     dynamic            a first call with 128 fewer query and key rows, then these lengths: automatic dynamic
                        shapes recompile the call site with symbolic lengths (what a training step gets once
                        the row counts change from step to step - every step for CSBP)
-    +divisible         `attention.flex.kernel_options` states that both lengths are multiples of 128
-                       (IS_DIVISIBLE), as the library always does; without it this script withholds the
-                       option (its control: `kernel_options` replaced for the variant)
+    +divisible         the library's `attention.flex.kernel_options`: both lengths are multiples of 128
+                       (IS_DIVISIBLE) and, on CUDA, the forward's TMA loads (fwd_USE_TMA); without it this
+                       script withholds them (its control: `kernel_options` replaced for the variant;
+                       `+fwd_USE_TMA=0` turns the TMA loads off alone)
     +split             CSBP: two calls (local keys, the other ranks' keys) and an LSE merge, not one call
     +rev               the query rows in reverse order (heaviest query tiles dispatched first)
     +nopack / +pack    GQA head packing forced off / on (default: decided from the block masks)
@@ -165,8 +166,8 @@ def run_variant(variant, args, config, anchors, device, rank, compiled_flex) -> 
     L, P, S = parse_size(args.context), args.world_size, config.draft_block_size
     mode, how, extra = parse_variant(variant)
     fresh_point()
-    base = kernel_options if "divisible" in how else lambda q_len, kv_len: None
-    flex_backend.kernel_options = lambda q_len, kv_len: (base(q_len, kv_len) or {}) | extra or None
+    base = kernel_options if "divisible" in how else lambda q_len, kv_len, device=None: None
+    flex_backend.kernel_options = lambda q_len, kv_len, device=None: (base(q_len, kv_len, device) or {}) | extra or None
     flex_backend._compiled_flex = compiled_flex
     if "autotune" in how and device.type == "cuda":
         from torch.nn.attention.flex_attention import flex_attention

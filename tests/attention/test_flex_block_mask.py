@@ -77,3 +77,15 @@ def test_counted_tile_status_equals_the_dense_mask(q_tile, budget):
         assert torch.equal(all_visible, tiles.all(3).all(1))
         n += int(all_visible.sum())
     assert n > 10  # full tiles occur, so the 'all' count is exercised
+
+
+def test_kernel_options_per_length_and_device():
+    from specforge_csbp.attention.flex import kernel_options
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert kernel_options(256, 384) == {"IS_DIVISIBLE": True}  # no device: the lengths alone
+    assert kernel_options(256, 384, cpu) == {"IS_DIVISIBLE": True}
+    assert kernel_options(256, 300, cpu) is None  # a partial tile keeps the bounds checks
+    # CUDA: the forward kernel's TMA loads whatever the lengths (inductor drops them where TMA cannot run)
+    assert kernel_options(256, 384, gpu) == {"IS_DIVISIBLE": True, "fwd_USE_TMA": True}
+    assert kernel_options(200, 384, gpu) == {"fwd_USE_TMA": True}
