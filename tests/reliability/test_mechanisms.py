@@ -70,7 +70,7 @@ def test_the_formatter_turns_file_system_and_parse_errors_into_one_line(tmp_path
     assert one_line(err.value) == "flag: must be true, false or 'auto' (got 'sometimes') (and 1 more)"
     with pytest.raises(ValidationError) as err:
         Union(size=[1])
-    assert one_line(err.value) == "size: must be an integer or 'auto' or 'off' (got [1])"
+    assert one_line(err.value) == "size: must be an integer, 'auto' or 'off' (got [1])"
     with pytest.raises(ValidationError) as err:
         Union(bound=0)  # a member's constraint failed: its own message is the informative one
     assert "greater than or equal to 1" in one_line(err.value)
