@@ -156,6 +156,7 @@ class FeatureStoreWriter:
         rel = os.path.join(_SAMPLES_DIR, f"{len(self.manifest.samples):08d}.safetensors")
         path = os.path.join(self.root, rel)
         tmp = f"{path}.tmp-{os.getpid()}"
+        entry = None
         try:
             save_file(tensors, tmp, metadata={"sample_id": sample_id, "format": FORMAT})
             entry = SampleEntry(
@@ -164,15 +165,20 @@ class FeatureStoreWriter:
                 first_anchor=_first_anchor(tensors[_MASK]), record_sha256=record_sha256,
             )  # fmt: skip
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException:  # e.g. SIGTERM's exception, which can land between any two lines
             if os.path.exists(tmp):
                 os.remove(tmp)
+            elif entry is not None and os.path.exists(path):  # after the rename: the file is whole, record it
+                self._record(entry)
             raise
-        self.manifest.samples.append(entry)
-        self._ids[sample_id] = entry
+        self._record(entry)
         if time.monotonic() - self._flushed_at >= self._flush_every_s:
             self._write_manifest()
         return entry
+
+    def _record(self, entry: SampleEntry) -> None:
+        self.manifest.samples.append(entry)
+        self._ids[entry.id] = entry
 
     def _write_manifest(self) -> None:
         write_json_atomic(os.path.join(self.root, MANIFEST_NAME), self.manifest.model_dump(mode="json"))

@@ -313,3 +313,24 @@ def test_non_finite_features_are_refused_naming_the_sample(tmp_path):
     with pytest.raises(ValueError) as err:
         writer.add("s0", torch.tensor([1, 2, 3]), torch.tensor([0, 1, 1]), feats)
     assert str(err.value) == "hidden_states: sample 's0' has 2 non-finite values; features must be finite"
+
+
+def test_an_interrupt_right_after_the_rename_records_the_sample(tmp_path, monkeypatch):
+    """SIGTERM's exception can land between any two lines: after a sample's file is renamed into place
+    the sample is recorded, so the store's files and its manifest agree (capture's SIGTERM test)."""
+    real_replace, calls = os.replace, []
+
+    def interrupted(src, dst):
+        real_replace(src, dst)
+        calls.extend([dst] if str(dst).endswith(".safetensors") else [])  # not the manifest's own rename
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # arrives just after the rename
+
+    monkeypatch.setattr(store_mod.os, "replace", interrupted)
+    root = str(tmp_path / "store")
+    with pytest.raises(KeyboardInterrupt):
+        _write(root, _samples())
+    monkeypatch.setattr(store_mod.os, "replace", real_replace)
+    manifest = json.load(open(os.path.join(root, "manifest.json")))
+    files = sorted(os.path.basename(e["file"]) for e in manifest["samples"])
+    assert files == sorted(os.listdir(os.path.join(root, "samples"))) == [f"{i:08d}.safetensors" for i in range(3)]
