@@ -137,6 +137,9 @@ def parse_args(argv=None):
                    "the default, docs/performance.md); --no-gather-ahead: gather in front of each layer")
     p.add_argument("--check-context", type=int, default=0,
                    help="first check our modes' GPU path against the dense seam at this context (float32; 0: off)")
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                   help="our modes: torch.compile the drafter's token-wise chains (DFlashDraftModel.compile_token_wise; "
+                   "auto: on GPUs, as the plugin's csbp.compile does)")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -654,6 +657,7 @@ def run_points(args, env, points):
     checked = check_backends(args, env, ours) if args.check_context and ours else {}
     head, embed = frozen_target(config, env, args.seed)
     model = None
+    compiled = args.compile == "on" or (args.compile == "auto" and env.device.type == "cuda")
     records = []
     for mode, L, N in points:
         fresh_point()  # no mode inherits another's compiled kernels (bench/isolation.py)
@@ -666,6 +670,7 @@ def run_points(args, env, points):
                     **({} if mode == "specforge" else {"gather_ahead": args.gather_ahead}),
                     **({} if mode == "specforge" else {"prefetch_masks": args.prefetch_masks}), "fresh_compile": True, "start_allocated_gib": held,
                     **({"keep_logits_gib": args.keep_logits_gib} if args.keep_logits_gib and mode != "specforge" else {}),
+                    **({} if mode == "specforge" else {"compile_token_wise": compiled}),
                     **({"check_rel_err": checked[mode]} if mode in checked else {}),
                     "device": env.name, "date": datetime.date.today().isoformat(), "code": library_digest(),
                     "command": command_line(env)}  # fmt: skip
@@ -675,6 +680,8 @@ def run_points(args, env, points):
             else:
                 if model is None:
                     model = make_model(config, env, args.seed)
+                    if compiled:
+                        model.compile_token_wise()
                 rec = run_ours(mode, L, N, config, model, head, embed, env, args)
             record = BenchRecord(**base, **rec)
         except ModeUnavailable as err:  # e.g. no specforge wheel: the other modes go on

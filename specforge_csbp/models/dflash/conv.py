@@ -53,6 +53,7 @@ class DFlashGroupedConv(nn.Module):
         self.base_kernel = nn.Parameter(torch.zeros(2, self.taps, int(hidden_size)))
         self.kernel_projection = nn.Linear(int(hidden_size), 2 * self.taps * self.num_groups, bias=False)
         self.reset_to_identity()
+        self.block_causal_conv = block_causal_conv  # compiled in place by DFlashDraftModel.compile_token_wise()
 
     @torch.no_grad()
     def reset_to_identity(self) -> None:
@@ -63,9 +64,9 @@ class DFlashGroupedConv(nn.Module):
 
     def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         coef = self.kernel_projection(x).unflatten(-1, (2, self.taps, self.num_groups))
-        return block_causal_conv(x, self.base_kernel[0], coef[..., 0, :, :], self.block_size), coef[
+        return self.block_causal_conv(x, self.base_kernel[0], coef[..., 0, :, :], self.block_size), coef[
             ..., 1, :, :
         ]
 
     def finish(self, y: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
-        return block_causal_conv(y, self.base_kernel[1], coef, self.block_size)
+        return self.block_causal_conv(y, self.base_kernel[1], coef, self.block_size)

@@ -14,6 +14,11 @@ kv rows [selected context rows ; block rows] - a `ShardedAttention` of the step'
 the same model runs the reference, DP, CP and CSBP. The caller always hands it in (layer_attention.py): the
 single-process one is `sharding.reference_attention`; the model never builds a plan for itself.
 
+The token-wise chains between the GEMMs - per-head q/k RMSNorm + RoPE (over every context row of every
+layer), the decoder's and the context's RMSNorms, SiLU-and-multiply, DFlash2's block-causal conv - are
+eager by default and compiled in place by `compile_token_wise()` (the trainer does it on GPUs): eager, each
+is a chain of elementwise passes over its rows in forward and backward; compiled, one kernel each way.
+
 Index inputs (position ids, context positions, `LayerAttention.ctx_index`) are used where they are when
 they already live on the computation's device - a prepared step stages them there ahead of time
 (prefetch.py) - and copied otherwise (the reference path, direct calls with host tensors).
@@ -21,6 +26,7 @@ they already live on the computation's device - a prepared step stages them ther
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -30,6 +36,7 @@ from transformers import PreTrainedModel
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RotaryEmbedding, rotate_half
 
 from .configuration import DFLASH2_ARCH, DFLASH_ARCH, DFlashConfig
+from . import conv as conv_module
 from .conv import DFlashGroupedConv
 from .layer_attention import Attend, LayerAttention, LayerContext
 from .selector import CandidateSelector
@@ -47,6 +54,21 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
+def _normed_rope_heads(
+    t: torch.Tensor, weight: torch.Tensor, eps: float | None, heads: int, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """A q or k projection [B, N, heads*D] -> per-head RMSNorm, RoPE -> [B, heads, N, D]."""
+    t = t.unflatten(-1, (heads, -1))
+    t = F.rms_norm(t, (t.shape[-1],), weight, eps).transpose(1, 2)
+    return _rope(t, cos, sin)
+
+
+@functools.cache
+def _compiled(fn):
+    """One compiled form per function, shared by every layer (dynamo specialises on shapes, not modules)."""
+    return torch.compile(fn, dynamic=None)
+
+
 class DFlashAttention(nn.Module):
     def __init__(self, config: DFlashConfig, layer_idx: int):
         super().__init__()
@@ -59,6 +81,7 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
         self.q_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.normed_rope_heads = _normed_rope_heads  # compiled in place by compile_token_wise()
 
     def _heads(self, t: torch.Tensor, heads: int) -> torch.Tensor:
         return t.unflatten(-1, (heads, self.head_dim)).transpose(1, 2)  # [B, heads, N, D]
@@ -70,15 +93,14 @@ class DFlashAttention(nn.Module):
         weight = torch.cat([self.k_proj.weight, self.v_proj.weight])
         bias = None if self.k_proj.bias is None else torch.cat([self.k_proj.bias, self.v_proj.bias])
         k, v = F.linear(ctx, weight, bias).split(self.num_kv_heads * self.head_dim, dim=-1)
-        k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim))).transpose(1, 2)
-        return _rope(k, cos, sin), self._heads(v, self.num_kv_heads)
+        k = self.normed_rope_heads(k, self.k_norm.weight, self.k_norm.eps, self.num_kv_heads, cos, sin)
+        return k, self._heads(v, self.num_kv_heads)
 
     def forward(self, x, ctx, rope_q, rope_ctx, attend: Attend, context: LayerContext | None = None) -> torch.Tensor:
         """`context`: this layer's context K/V computed ahead (then `ctx` / `rope_ctx` are not used)."""
-        q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))).transpose(1, 2)
+        q = self.normed_rope_heads(self.q_proj(x), self.q_norm.weight, self.q_norm.eps, self.num_heads, *rope_q)
+        k = self.normed_rope_heads(self.k_proj(x), self.k_norm.weight, self.k_norm.eps, self.num_kv_heads, *rope_q)
         v = self._heads(self.v_proj(x), self.num_kv_heads)
-        q, k = _rope(q, *rope_q), _rope(k, *rope_q)
         if context is None:
             context = LayerContext(*self.context_kv(ctx, *rope_ctx))
         extra = {} if context.gathered is None else {"gathered": context.gathered}
@@ -195,6 +217,28 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                 config.dflash2_field("selector_top_k"),
             )
         self.post_init()
+
+    def compile_token_wise(self) -> int:
+        """torch.compile the token-wise chains in place (module docstring); the GEMMs, the attention seam and
+        its collectives stay eager. Idempotent. Returns how many modules and functions now run compiled.
+
+            decoder layer, eager:  norm | q,k,v proj | q/k norm + RoPE | attention | o_proj | norm | MLP
+            compiled:             [norm]            [ one graph each  ]                    [norm][graph]
+            context, per layer:    k/v proj | [k norm + RoPE]        hidden_norm: [norm]
+        """
+        count = 0
+        inside_attention = {id(n) for a in self.modules() if isinstance(a, DFlashAttention) for n in (a.q_norm, a.k_norm)}
+        for m in self.modules():
+            if isinstance(m, DFlashAttention):
+                m.normed_rope_heads = _compiled(_normed_rope_heads)
+                count += 1
+            elif isinstance(m, DFlashGroupedConv):
+                m.block_causal_conv = _compiled(conv_module.block_causal_conv)
+                count += 1
+            elif isinstance(m, (Qwen3MLP, nn.RMSNorm)) and id(m) not in inside_attention:
+                m.compile(dynamic=None)
+                count += 1
+        return count
 
     @property
     def layer_types(self) -> list[str]:
