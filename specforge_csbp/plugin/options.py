@@ -12,6 +12,7 @@
       regather: false # true: re-gather context K/V in backward (memory at 512K-1M)
       pack_gqa: null  # GQA head packing: true / false force it, null: decided per call from the block masks
       keep_logits_gib: auto # kept loss logits budget; auto: from the GPU's free memory (plugin/keep_logits.py)
+      compile: auto   # torch.compile the drafter's token-wise chains (norms, RoPE, MLP, conv); auto: on GPUs
 
 SpecForge's schema forbids unknown fields, so the `csbp:` section is taken out of the file before SpecForge
 validates the rest, and `csbp.*` overrides are applied here. World size = deployment.trainer.nnodes x
@@ -24,6 +25,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from ..errors import load_config
@@ -40,6 +42,7 @@ __all__ = [
     "CSBPOptions",
     "PreparedRun",
     "attention_options",
+    "compiles_drafter",
     "one_line",
     "prepare_run",
 ]
@@ -78,6 +81,12 @@ class CSBPOptions(BaseModel):
         "[rows, vocab] GEMM fewer per chunk (docs/performance.md); 0 = recompute; unset (or auto): "
         "chosen per rank from the GPU's free memory and the planner's memory model (plugin/keep_logits.py)",
     )  # fmt: skip
+    compile: bool | Literal["auto"] = Field(
+        default="auto",
+        description="torch.compile the drafter's token-wise chains in place - q/k RMSNorm + RoPE, RMSNorms, "
+        "SiLU-and-multiply, DFlash2's conv (DFlashDraftModel.compile_token_wise; GEMMs and attention stay as "
+        "they are); auto: on GPUs, eager on the CPU",
+    )
     prefetch_features: bool = Field(
         default=True,
         description="read the next sample's context features from the store and copy them to the GPU while "
@@ -107,12 +116,27 @@ class CSBPOptions(BaseModel):
         "decided per call from the block masks (flex only)",
     )
 
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_choice(cls, value: Any) -> bool | str:
+        choices = {"true": True, "false": False, "auto": "auto"}
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in choices:
+            return choices[value.strip().lower()]
+        raise ValueError(f"must be one of true, false, auto; got {value!r}")
+
     @field_validator("regather")
     @classmethod
     def _regather_needs_overlap(cls, regather: bool, info: ValidationInfo) -> bool:
         if regather and info.data.get("attention_schedule") == "fused":
             raise ValueError("needs csbp.attention_schedule: overlap (the fused schedule keeps the concatenated K/V)")
         return regather
+
+
+def compiles_drafter(options: CSBPOptions, device: torch.device) -> bool:
+    """csbp.compile resolved for the device the drafter trains on."""
+    return device.type == "cuda" if options.compile == "auto" else bool(options.compile)
 
 
 def attention_options(options: CSBPOptions, attention_backend: str) -> AttentionOptions:

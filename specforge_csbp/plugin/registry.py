@@ -15,6 +15,7 @@ the spec itself stays pure data, as SpecForge requires.
 from __future__ import annotations
 
 import json
+import os
 from functools import partial
 from typing import Any
 
@@ -37,7 +38,7 @@ from .data import (
     check_store_path,
 )
 from .drafts import CSBP_DFLASH_KEY, DFLASH2_KEY, register_drafts, to_dflash_config
-from .options import CSBPOptions, attention_options
+from .options import CSBPOptions, attention_options, compiles_drafter
 from .training_model import CSBPDrafterTrainingModel
 
 __all__ = ["ALGORITHMS", "algorithm_spec", "plugin_registrations", "plugin_registry"]
@@ -140,7 +141,7 @@ def _frozen_target_parts(cfg, target_config, manifest):
     """(embed_tokens, lm_head) of the target, frozen: from its checkpoint, or rebuilt from the seed of a
     randomly initialised target the store was captured from."""
     path = cfg.model.target_model_path
-    if has_weights(path) or not __import__("os").path.exists(path):
+    if has_weights(path) or not os.path.exists(path):
         from specforge.modeling.target.target_utils import TargetEmbeddingsAndHead
 
         parts = TargetEmbeddingsAndHead.from_pretrained(
@@ -221,6 +222,10 @@ def build_training_model(
         attention=attention_options(options, cfg.training.attention_backend),
         prefetch_features=options.prefetch_features, eval_store_path=eval_path,
     ).to(device=_device())  # fmt: skip
+    if compiles_drafter(options, _device()):
+        compiled = draft_model.compile_token_wise()
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"specforge-csbp: csbp.compile -> the drafter's token-wise chains compiled ({compiled} modules)", flush=True)
     return AlgorithmModelParts(model=model, capture_layers=ids)
 
 

@@ -9,11 +9,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 
 from specforge_csbp.plugin.groups import rank_sets
 from specforge_csbp.plugin.launch import preflight
-from specforge_csbp.plugin.options import prepare_run
+from specforge_csbp.plugin.options import CSBPOptions, compiles_drafter, prepare_run
 from specforge_csbp.plugin.registry import objective_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -53,6 +54,7 @@ def _write(tmp_path, training=None, nproc=4, store="store", csbp=None, **top):
         ({}, {"csbp": True}, ["csbp.attention_schedule=fused", "csbp.regather=true"],
          "csbp.regather: Value error, needs csbp.attention_schedule: overlap"),
         ({}, {"csbp": True}, ["csbp.keep_logits_gib=-1"], "csbp.keep_logits_gib: Input should be greater than or equal to 0"),
+        ({}, {"csbp": True}, ["csbp.compile=maybe"], "csbp.compile: Value error, must be one of true, false, auto; got 'maybe'"),
         ({}, {"csbp": True}, ["csbp.attention_schedule=ring"], "csbp.attention_schedule: Input should be 'fused' or 'overlap'"),
         ({"fsdp_sharding": "FULL_SHARD"}, {"csbp": True}, [], "training.fsdp_sharding='FULL_SHARD'"),
         ({"strategyy": "dflash"}, {"csbp": True}, [], "training.strategyy: Extra inputs are not permitted"),
@@ -95,6 +97,14 @@ def test_flags_fields_and_overrides_resolve_to_the_same_layout(tmp_path):
     assert prepare_run(_write(tmp_path), ["csbp.prefetch_features=false"], csbp=True).options.prefetch_features is False
     assert prepare_run(_write(tmp_path), [], csbp=True).options.gather_ahead is True
     assert prepare_run(_write(tmp_path), ["csbp.gather_ahead=false"], csbp=True).options.gather_ahead is False
+    assert prepare_run(_write(tmp_path), [], csbp=True).options.compile == "auto"
+    for given, value in (("false", False), ("True", True), ("auto", "auto")):
+        assert prepare_run(_write(tmp_path), [f"csbp.compile={given}"], csbp=True).options.compile == value
+    # auto: compiled on GPUs, eager on the CPU (the float64 tests); true / false whatever the device
+    auto, off = CSBPOptions(), CSBPOptions(compile=False)
+    assert compiles_drafter(auto, torch.device("cuda", 0)) and not compiles_drafter(auto, torch.device("cpu"))
+    assert compiles_drafter(CSBPOptions(compile=True), torch.device("cpu"))
+    assert not compiles_drafter(off, torch.device("cuda", 0))
     kept = prepare_run(_write(tmp_path), ["csbp.keep_logits_gib=6"], csbp=True)
     assert objective_for(kept.config, kept.options, 16).keep_logits_gib == 6.0
     assert objective_for(memory.config, memory.options, 16).keep_logits_gib == 0.0

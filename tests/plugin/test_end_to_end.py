@@ -3,7 +3,7 @@ installed start-up hook and stock SpecForge 0.2.0, the same run without --csbp o
 export checked against SGLang's loader contract and reloaded with identical outputs.
 
     capture (8 samples) -> store
-    specforge train --csbp -c run.yaml                          2 ranks, batch 1/rank, dflash2-csbp, cp = 2
+    specforge train --csbp -c run.yaml csbp.compile=true        2 ranks, batch 1/rank, dflash2-csbp, cp = 2
     specforge train -c run.yaml nproc_per_node=1 batch_size=2   1 rank,  batch 2,      dflash2 (plain DP)
         same samples per step (SpecForge's sampler), same anchors (seed, step, sample) -> same losses, every step
     specforge-csbp export --to sglang <output_dir> OUT          contract + provenance + reload equivalence
@@ -64,8 +64,10 @@ def test_specforge_train_csbp_then_sglang_export(tmp_path):
     }  # fmt: skip
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
 
-    csbp = _train(["--csbp", "-c", "run.yaml"], str(tmp_path))
+    # the CSBP run with the drafter's token-wise chains compiled (the GPU default), the reference eager
+    csbp = _train(["--csbp", "-c", "run.yaml", "csbp.compile=true"], str(tmp_path))
     assert "dflash2-csbp on 2 rank(s): csbp over cp_size=2 x dp_replicas=1" in csbp.stdout
+    assert "csbp.compile -> the drafter's token-wise chains compiled" in csbp.stdout
     ref = _train(["-c", "run.yaml", "deployment.trainer.nproc_per_node=1", "training.batch_size=2",
                   "output_dir=ref-out"], str(tmp_path))  # fmt: skip
     assert "dflash2 on 1 rank(s): data parallel" in ref.stdout
