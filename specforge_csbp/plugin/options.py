@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from ..errors import load_config
@@ -33,6 +32,9 @@ from ..parallel.options import AttentionOptions
 from ..preflight import check_finite
 from .data import check_store_path
 from .keep_logits import resolve_keep_logits
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "CSBP_OF",
