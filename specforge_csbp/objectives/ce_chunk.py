@@ -15,9 +15,9 @@ function (tests/objectives/test_ce_chunk_compiled_equals_eager.py runs the compi
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from ..devices import compiled_once
 
 __all__ = ["chunk_forward", "chunk_grad"]
 
@@ -53,11 +53,6 @@ def _grad_fusable(raw: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, targets
     return ((torch.exp(raw.to(lse.dtype) - lse[:, None]) - onehot) * g[:, None]).to(out_dtype)
 
 
-@functools.cache
-def _compiled(fn):
-    return torch.compile(fn, dynamic=None)
-
-
 def _use_fused(fused: bool | None, t: torch.Tensor) -> bool:
     return t.is_cuda if fused is None else fused
 
@@ -67,7 +62,7 @@ def chunk_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """raw logits [n, V] and targets [n] -> (lse, z[target], top-1 value, top-1 id), each [n]; fp32 math
     (fp64 for fp64 logits)."""
-    fn = _compiled(_forward_fusable) if _use_fused(fused, raw) else _forward_eager
+    fn = compiled_once(_forward_fusable) if _use_fused(fused, raw) else _forward_eager
     return fn(raw, targets)
 
 
@@ -82,5 +77,5 @@ def chunk_grad(
 ) -> torch.Tensor:
     """d(sum_i g_i * nll_i)/d(logits) for one chunk: g * (softmax(raw) - onehot(targets)), in `out_dtype`.
     `lse` (from chunk_forward) sets the math dtype; `g` [n] is cast to it."""
-    fn = _compiled(_grad_fusable) if _use_fused(fused, raw) else _grad_eager
+    fn = compiled_once(_grad_fusable) if _use_fused(fused, raw) else _grad_eager
     return fn(raw, lse, g.to(lse.dtype), targets, out_dtype)

@@ -26,7 +26,6 @@ they already live on the computation's device - a prepared step stages them ther
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -36,8 +35,8 @@ from transformers import PreTrainedModel
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RotaryEmbedding, rotate_half
 
 from .configuration import DFLASH2_ARCH, DFLASH_ARCH, DFlashConfig
-from . import conv as conv_module
-from .conv import DFlashGroupedConv
+from ...devices import compiled_once
+from .conv import DFlashGroupedConv, block_causal_conv
 from .layer_attention import Attend, LayerAttention, LayerContext
 from .selector import CandidateSelector
 
@@ -61,12 +60,6 @@ def _normed_rope_heads(
     t = t.unflatten(-1, (heads, -1))
     t = F.rms_norm(t, (t.shape[-1],), weight, eps).transpose(1, 2)
     return _rope(t, cos, sin)
-
-
-@functools.cache
-def _compiled(fn):
-    """One compiled form per function, shared by every layer (dynamo specialises on shapes, not modules)."""
-    return torch.compile(fn, dynamic=None)
 
 
 class DFlashAttention(nn.Module):
@@ -230,10 +223,10 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         inside_attention = {id(n) for a in self.modules() if isinstance(a, DFlashAttention) for n in (a.q_norm, a.k_norm)}
         for m in self.modules():
             if isinstance(m, DFlashAttention):
-                m.normed_rope_heads = _compiled(_normed_rope_heads)
+                m.normed_rope_heads = compiled_once(_normed_rope_heads)
                 count += 1
             elif isinstance(m, DFlashGroupedConv):
-                m.block_causal_conv = _compiled(conv_module.block_causal_conv)
+                m.block_causal_conv = compiled_once(block_causal_conv)
                 count += 1
             elif isinstance(m, (Qwen3MLP, nn.RMSNorm)) and id(m) not in inside_attention:
                 m.compile(dynamic=None)
