@@ -222,7 +222,9 @@ def _train(resolved, prepared: PreparedRun) -> int:
         # the next micro-step's first sample is built while this one's last runs (changes nothing if this
         # SpecForge keeps its data stream elsewhere: plugin/lookahead.py)
         lookahead.install(run)
-        reporting.install(run)  # progress bar, metrics.jsonl, eval/est_tau (plugin/reporting.py)
+        plateau = reporting.PlateauCheck(prepared.options.plateau_steps, cfg.data.max_length,
+                                         cfg.model.draft_checkpoint_path)  # fmt: skip
+        reporting.install(run, plateau=plateau)  # progress bar, metrics.jsonl, eval/est_tau, the plateau line
         step = run.run()
         if dist.get_rank() == 0:
             latest = os.path.join(cfg.output_dir, f"{cfg.run_id}-latest")

@@ -13,6 +13,7 @@
       pack_gqa: null  # GQA head packing: true / false force it, null: decided per call from the block masks
       keep_logits_gib: auto # kept loss logits budget; auto: from the GPU's free memory (plugin/keep_logits.py)
       compile: auto   # torch.compile the drafter's token-wise chains (norms, RoPE, MLP, conv); auto: on GPUs
+      plateau_steps: 300 # est_tau still < 1.1 after this many steps: one line with the cause and the recipe
 
 SpecForge's schema forbids unknown fields, so the `csbp:` section is taken out of the file before SpecForge
 validates the rest, and `csbp.*` overrides are applied here. World size = deployment.trainer.nnodes x
@@ -117,6 +118,12 @@ class CSBPOptions(BaseModel):
         description="GQA head packing of the drafter's attention: true / false force it on / off; unset: "
         "decided per call from the block masks (flex only)",
     )
+    plateau_steps: int = Field(
+        default=300, ge=0,
+        description="after this many optimizer steps, a training est_tau still below 1.1 (the drafter proposes "
+        "next to no right token) is reported in one line with its likely cause and the recipe "
+        "(plugin/reporting.py PlateauCheck); 0: never",
+    )  # fmt: skip
 
     @field_validator("compile", mode="before")
     @classmethod

@@ -16,6 +16,10 @@ acceptance estimate and per-slot accuracy of SpecForge's eval passes.
       evaluate(data) -> Evaluator().run(...)     -> the same, then `eval/est_tau` and `eval/slot_acc_k` from the
                                                     strategy's eval sums (one all-reduce over the world)
 
+A drafter that does not learn is said so: the first logged step at or after `csbp.plateau_steps` whose
+training est_tau is below PLATEAU_TAU prints one line (PlateauCheck) with the likely cause and the recipe
+(docs/long_context.md) - on rank 0, whatever the console.
+
 tokens/s = `tokens_per_micro_step` (a ratio metric: global tokens per micro-step, exact) x the accumulation
 steps / SpecForge's `perf/optimizer_step_time_s` of the log window. Nothing here runs per micro-step: the bar
 moves once per optimizer step (SpecForge's own `progress.update`), its fields once per `training.log_interval`.
@@ -34,9 +38,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["METRICS_FILE", "ProgressConsole", "install"]
+__all__ = ["LONG_FROM_SCRATCH", "METRICS_FILE", "PLATEAU_TAU", "PlateauCheck", "ProgressConsole", "install"]
 
 METRICS_FILE = "metrics.jsonl"
+#: est_tau below this after csbp.plateau_steps: the drafter proposes next to no right token (1.0: none)
+PLATEAU_TAU = 1.1
+#: a from-scratch run longer than this is the long-context case of PlateauCheck's message (the study's
+#: drafters learn at 4K windows and stay on the plateau from scratch at 64K: docs/long_context.md)
+LONG_FROM_SCRATCH = 8192
 #: what the bar shows, in order: (metric name, label, format)
 _FIELDS = (("loss", "loss", ".4g"), ("acc", "acc", ".3f"), ("est_tau", "est_tau", ".3f"))
 
@@ -57,6 +66,38 @@ def _plain(metrics: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
+class PlateauCheck:
+    """One look at est_tau, at the first logged step >= `steps` (0: never): below PLATEAU_TAU, `message` is
+    the line to print (None otherwise, and at every later step). `max_length`, `warm_start`: the run's
+    data.max_length and model.draft_checkpoint_path, which decide the likely cause."""
+
+    def __init__(self, steps: int, max_length: int | None = None, warm_start: str | None = None) -> None:
+        self.steps, self.max_length, self.warm_start = steps, max_length, warm_start
+        self.done = steps <= 0
+
+    def __call__(self, values: Mapping[str, float], step: int) -> str | None:
+        tau = values.get("est_tau")
+        if self.done or tau is None or step < self.steps:
+            return None
+        self.done = True
+        if tau >= PLATEAU_TAU:
+            return None
+        head = (f"specforge-csbp: est_tau {tau:.3f} after {step} steps (csbp.plateau_steps={self.steps}): the "
+                "drafter is still on the unigram plateau (next to no drafted token would be accepted); ")  # fmt: skip
+        if self.warm_start is None and (self.max_length or 0) > LONG_FROM_SCRATCH:
+            return head + (
+                f"likely cause: trained from scratch at data.max_length={self.max_length}, where a fresh drafter "
+                "attends over the whole context and the nearby features that carry the next tokens get little "
+                "of it; recipe: train at 4K-8K tokens first, then continue at this length from those weights "
+                "(model.draft_checkpoint_path, fresh optimizer, a short warm-up; docs/long_context.md)"
+            )  # fmt: skip
+        return head + (
+            "likely cause: too few steps or a learning rate that does not fit (training.learning_rate, "
+            "training.warmup_ratio), or target features that do not predict the text (check the store's "
+            "target and target_layer_ids); recipe: docs/long_context.md"
+        )  # fmt: skip
+
+
 class ProgressConsole:
     """The console side of SpecForge's `logger(metrics, step)` seam on one rank. On rank 0 of a terminal: a
     tqdm bar whose fields show loss / acc / est_tau / tok/s, and one `eval step N: ...` line per eval pass.
@@ -66,9 +107,11 @@ class ProgressConsole:
     tokens per optimizer step."""
 
     def __init__(
-        self, output_dir: str | None, accumulation_steps: int = 1, total: int | None = None, fallback=None
+        self, output_dir: str | None, accumulation_steps: int = 1, total: int | None = None, fallback=None,
+        plateau: PlateauCheck | None = None,
     ) -> None:
         self.rank0 = _rank() == 0
+        self.plateau = plateau if plateau is not None and self.rank0 else None
         self.accumulation_steps = max(1, int(accumulation_steps))
         self.total, self.fallback = total, fallback
         self.bar = None
@@ -104,6 +147,12 @@ class ProgressConsole:
             clean = {k: v for k, v in values.items() if math.isfinite(v)}
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"step": int(step), **clean}, sort_keys=True) + "\n")
+        warning = self.plateau(values, step) if self.plateau is not None else None
+        if warning is not None:
+            if self.bar is not None:
+                self.bar.write(warning, file=sys.stderr)
+            else:
+                print(warning, file=sys.stderr, flush=True)
         if self.bar is None:
             if self.fallback is not None:
                 self.fallback(metrics, step)
@@ -134,9 +183,10 @@ def _with_eval_extras(controller, strategy):
     return evaluate_with_extras
 
 
-def install(run: Any, output_dir: str | None = None) -> bool:
-    """Hook the progress bar, the console and the eval extras into SpecForge's `TrainingRun` (before
-    `run.run()`); False, changing nothing, when its trainer does not keep a controller where 0.2.0 does."""
+def install(run: Any, output_dir: str | None = None, plateau: PlateauCheck | None = None) -> bool:
+    """Hook the progress bar, the console (with `plateau`'s check) and the eval extras into SpecForge's
+    `TrainingRun` (before `run.run()`); False, changing nothing, when its trainer does not keep a controller
+    where 0.2.0 does."""
     trainer = getattr(run, "trainer", None)
     controller = getattr(trainer, "_controller", None)
     core = getattr(controller, "core", None)
@@ -148,7 +198,7 @@ def install(run: Any, output_dir: str | None = None) -> bool:
     tracked = logger is not None and hasattr(logger, "console_logger")  # SpecForge's TrackerLogger
     console = ProgressConsole(
         output_dir or getattr(controller, "output_dir", None), getattr(core, "accumulation_steps", 1), total,
-        fallback=logger.console_logger if tracked else logger,
+        fallback=logger.console_logger if tracked else logger, plateau=plateau,
     )  # fmt: skip
     if tracked:  # the tracker itself is untouched: it still receives every metric
         logger.console_logger = console

@@ -56,6 +56,8 @@ def _write(tmp_path, training=None, nproc=4, store="store", csbp=None, **top):
         ({}, {"csbp": True}, ["csbp.keep_logits_gib=-1"], "csbp.keep_logits_gib: Input should be greater than or equal to 0"),
         ({}, {"csbp": True}, ["csbp.compile=maybe"], "csbp.compile: Value error, must be one of true, false, auto; got 'maybe'"),
         ({}, {"csbp": True}, ["csbp.compile=yes"], "csbp.compile: Value error, must be one of true, false, auto; got 'yes'"),
+        ({}, {"csbp": True}, ["csbp.plateau_steps=-1"], "csbp.plateau_steps: Input should be greater than or equal to 0"),
+        ({}, {"csbp": True}, ["csbp.plateau_steps=many"], "csbp.plateau_steps: Input should be a valid integer"),
         ({}, {"csbp": True}, ["csbp.compile=2"], "csbp.compile: Value error, must be one of true, false, auto; got '2'"),
         ({}, {"csbp": True}, ["csbp.attention_schedule=ring"], "csbp.attention_schedule: Input should be 'fused' or 'overlap'"),
         ({"fsdp_sharding": "FULL_SHARD"}, {"csbp": True}, [], "training.fsdp_sharding='FULL_SHARD'"),

@@ -74,3 +74,29 @@ def test_a_terminal_gets_a_bar_instead_of_dicts(tmp_path, monkeypatch, capsys):
 def test_install_changes_nothing_without_a_controller():
     assert reporting.install(SimpleNamespace(trainer=None)) is False
     assert reporting.install(SimpleNamespace(trainer=SimpleNamespace(_controller=SimpleNamespace()))) is False
+
+
+def test_a_drafter_on_the_plateau_is_said_so_once(tmp_path, capsys):
+    """csbp.plateau_steps: the first logged step at or after it with est_tau < 1.1 prints one line naming the
+    cause (from scratch at long context, or not) and the recipe; a learning drafter, an earlier step, a later
+    step and plateau_steps 0 print nothing."""
+    check = reporting.PlateauCheck(300, max_length=65536)
+    console = reporting.ProgressConsole(str(tmp_path), plateau=check)
+    console({**METRICS, "est_tau": 1.02}, 296)  # before the step count: nothing yet
+    console({**METRICS, "est_tau": 1.04}, 300)
+    console({**METRICS, "est_tau": 1.03}, 304)  # said once
+    err = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(err) == 1
+    assert err[0].startswith("specforge-csbp: est_tau 1.040 after 300 steps (csbp.plateau_steps=300): the drafter is "
+                             "still on the unigram plateau")  # fmt: skip
+    assert "trained from scratch at data.max_length=65536" in err[0] and "model.draft_checkpoint_path" in err[0]
+    warm = reporting.PlateauCheck(8, max_length=65536, warm_start="/runs/drafter-4k")
+    short = reporting.PlateauCheck(8, max_length=4096)
+    for c in (warm, short):
+        line = c({"est_tau": 1.0}, 8)
+        assert line is not None and "from scratch" not in line and "training.learning_rate" in line
+    assert reporting.PlateauCheck(8, max_length=65536)({"est_tau": reporting.PLATEAU_TAU}, 8) is None  # learning
+    off = reporting.PlateauCheck(0, max_length=65536)
+    assert off({"est_tau": 1.0}, 1000) is None
+    learning = reporting.PlateauCheck(8)
+    assert learning({"est_tau": 1.5}, 8) is None and learning({"est_tau": 1.0}, 12) is None  # looked once
