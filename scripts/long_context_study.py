@@ -5,6 +5,8 @@ deep into the context, where one trained on short sequences does not?
     python scripts/long_context_study.py --scale cpu --stage all                 # the CPU miniature (~1 min)
     python scripts/long_context_study.py --scale gpu --stage target              # repeat until it says done
     python scripts/long_context_study.py --scale gpu --stage capture|train|eval|report [--records FILE]
+    python scripts/long_context_study.py --scale gpu --stage all --drafters swa-short,swa-short-then-long
+    python scripts/long_context_study.py --scale gpu --stage report --docs docs/long_context.md
 
 Every stage is idempotent: it skips what its outputs already hold, and the target stage resumes its training.
 """
@@ -17,12 +19,13 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from specforge_csbp.studies.long_context.study import SCALES, STAGES, run_stage  # noqa: E402
+from specforge_csbp.studies.long_context.study import SCALES, STAGES, carry_paths, run_stage  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stage", choices=(*STAGES, "all"), required=True)
+    p.add_argument("--stage", choices=(*STAGES, "all", "carry"), required=True,
+                   help="carry: print what a fresh machine needs of RUN to continue (one path a line; no work)")
     p.add_argument("--scale", choices=tuple(SCALES), required=True)
     p.add_argument("--run", default=None, help="run directory (default runs/long_context/<scale>)")
     p.add_argument("--seed", type=int, default=0, help="seed of the document family")
@@ -31,12 +34,28 @@ def main(argv: list[str] | None = None) -> int:
                    help="target: training time of this call before it saves and stops (default: the scale's)")
     p.add_argument("--gpus", type=int, default=None,
                    help="train: ranks, all in one CSBP group (cp_size = ranks; default: the scale's, 1)")
+    p.add_argument("--drafters", default=None,
+                   help="train / eval: comma-separated drafters of the grid (studies/long_context/grid.py; their "
+                   "warm-start sources are added), or all (default)")
+    p.add_argument("--docs", default=None,
+                   help="report: also write the tables into this markdown file's report block and the plot "
+                   "beside it (docs/long_context.md)")
     args = p.parse_args(argv)
     run = args.run or os.path.join("runs", "long_context", args.scale)
+    if args.stage == "carry":
+        print("\n".join(carry_paths(run)))
+        return 0
     overrides = {} if args.target_minutes is None else {"target_minutes": args.target_minutes}
     if args.gpus is not None:
         overrides.update(nproc=args.gpus, cp_size=args.gpus)
-    run_stage(args.stage, args.scale, run, seed=args.seed, records=args.records, overrides=overrides)
+    if args.drafters is not None:
+        overrides["drafters"] = args.drafters
+    try:
+        run_stage(args.stage, args.scale, run, seed=args.seed, records=args.records, docs=args.docs,
+                  overrides=overrides)  # fmt: skip
+    except ValueError as err:  # bad input (--drafters, --docs): one line
+        print(f"long_context_study: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -60,48 +60,118 @@ def test_bucket_edges_parse():
             raise AssertionError(bad)
 
 
+#: the miniature's cover of the grid: every architecture, both stores, a warm start of each kind of source
+#: and locality anchors; the rest of the grid differs from these in names and settings only (tested below)
+MINIATURE = ("short", "short-then-long", "swa-long", "swa-full-short", "swa-full-short-then-long-locality")
+
+
 @pytest.mark.slow
 def test_cpu_miniature_runs_every_stage(tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, str(ROOT / "scripts" / "long_context_study.py"), "--scale", "cpu", "--run", str(run)]
-    done = subprocess.run(cmd + ["--stage", "all"], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd + ["--stage", "all", "--drafters", ",".join(MINIATURE)], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     scale = SCALES["cpu"]
+    # 4 steps from scratch leave a drafter on the plateau: the trainer says so (csbp.plateau_steps=4)
+    assert "steps (csbp.plateau_steps=4): the drafter is still on the unigram plateau" in done.stderr
     # one budget: the same steps, context tokens and anchors per token; only the sequence length differs
-    cfgs = {k: yaml.safe_load((run / f"{k}.yaml").read_text()) for k in ("short", "long")}
-    assert cfgs["short"]["data"]["max_length"] == scale.short_len and cfgs["long"]["data"]["max_length"] == scale.long_len
-    t_s, t_l = cfgs["short"]["training"], cfgs["long"]["training"]
+    cfgs = {k: yaml.safe_load((run / f"{k}.yaml").read_text()) for k in ("short", "swa-long")}
+    assert cfgs["short"]["data"]["max_length"] == scale.short_len
+    assert cfgs["swa-long"]["data"]["max_length"] == scale.long_len
+    t_s, t_l = cfgs["short"]["training"], cfgs["swa-long"]["training"]
     assert t_s["batch_size"] * scale.short_len == t_l["batch_size"] * scale.long_len
     assert t_s["batch_size"] * t_s["num_anchors"] == t_l["batch_size"] * t_l["num_anchors"]
     assert t_s["num_epochs"] == t_l["num_epochs"]
-    # the extension: the same budget again, from the short drafter's export, on each store
-    for name, store in (("short-then-short", "short"), ("short-then-long", "long")):
+    # a warm start: the same budget again, from its source's export, on the long store
+    for name, source in (("short-then-long", "short"), ("swa-full-short-then-long-locality", "swa-full-short")):
         cfg = yaml.safe_load((run / f"{name}.yaml").read_text())
-        assert cfg["model"]["draft_checkpoint_path"] == str(run / "drafter-short")
-        assert cfg["data"] == cfgs[store]["data"] and cfg["training"] == cfgs[store]["training"]
-    assert (run / "drafter-short-then-short" / "model.safetensors").read_bytes() != (
-        run / "drafter-short" / "model.safetensors").read_bytes()  # it trained on
-    for kind in (d.name for d in DRAFTERS):  # every one trained: a SpecForge checkpoint with the drafter's weights
-        ckpts = list((run / f"output-{kind}").glob("*-latest"))
-        assert ckpts, kind
-        summary = json.loads((run / f"eval-{kind}.json").read_text())
-        assert [b["start"] for b in summary["buckets"]] == list(scale.bucket_edges[: len(summary["buckets"])])
-        assert summary["verify_steps"] > 0
-        assert any(b["tau"] is not None and b["start"] >= 1024 for b in summary["buckets"])
+        assert cfg["model"]["draft_checkpoint_path"] == str(run / f"drafter-{source}")
+        assert cfg["training"] == cfgs["swa-long"]["training"]
+        assert (run / f"drafter-{name}" / "model.safetensors").read_bytes() != (
+            run / f"drafter-{source}" / "model.safetensors").read_bytes()  # it trained on
+    assert yaml.safe_load((run / "swa-full-short-then-long-locality.yaml").read_text())["csbp"]["anchor_sampling"] == (
+        "locality")  # fmt: skip
+    # the exports are the architectures SGLang loads
+    types = {n: json.loads((run / f"drafter-{n}" / "config.json").read_text())["layer_types"] for n in MINIATURE}
+    assert types["short"] == ["full_attention"] * 2 and types["swa-long"] == ["sliding_attention"] * 2
+    assert types["swa-full-short"] == ["sliding_attention", "full_attention"]
+    for name in MINIATURE:  # every one trained, and evaluated on both sets
+        assert list((run / f"output-{name}").glob("*-latest")), name
+        for suffix in ("", "-local"):
+            summary = json.loads((run / f"eval-{name}{suffix}.json").read_text())
+            assert [b["start"] for b in summary["buckets"]] == list(scale.bucket_edges[: len(summary["buckets"])])
+            assert summary["verify_steps"] > 0
+            assert any(b["tau"] is not None and b["start"] >= 1024 for b in summary["buckets"])
     records = load_records(run / "records.jsonl")
     taus = [r for r in records if getattr(r, "metric", None) == "tau"]
     assert {r.workload for r in records} == {"longctx"}
-    assert {r.drafter for r in taus} == {d.name for d in DRAFTERS}
+    assert {(r.drafter, r.eval_set) for r in taus} == {(n, s) for n in MINIATURE for s in ("far", "local")}
     assert all("specforge_csbp eval" in r.command and "specforge_csbp train --csbp" in r.train_command for r in taus)
     assert any(getattr(r, "metric", None) == "target_accuracy" for r in records)
     assert (run / "long_context.png").stat().st_size > 0
     tables = (run / "long_context_tables.md").read_text()
-    assert f"trained at {scale.short_len} tokens" in tables and f"trained at {scale.long_len} tokens" in tables
-    assert f"trained at {scale.short_len}, then at {scale.long_len} tokens" in tables
+    for name in MINIATURE:  # a row per drafter in each set's table
+        assert tables.count(f"| {name} | ") == 2, name
+    assert f"sliding window {scale.window} + last full layer, trained at {scale.short_len}, then at {scale.long_len} " \
+        "tokens, locality anchors" in tables
     # idempotent: a second run of a stage skips what exists
-    again = subprocess.run(cmd + ["--stage", "train"], env=env, capture_output=True, text=True, timeout=120)
+    again = subprocess.run(cmd + ["--stage", "train", "--drafters", "swa-long"], env=env, capture_output=True,
+                           text=True, timeout=120)  # fmt: skip
     assert again.returncode == 0 and "exists; skipped" in again.stdout
+
+
+def test_grid_names_architectures_and_warm_starts():
+    """Every architecture has every recipe; names are unique; a warm start trains after its source, on the
+    same architecture; the full-attention column keeps the study's first names and configs."""
+    from specforge_csbp.studies.long_context.grid import ARCHS, select
+    from specforge_csbp.studies.long_context.study import drafter_config, train_config
+
+    names = [d.name for d in DRAFTERS]
+    assert len(set(names)) == len(names)
+    assert names[:2] == ["short", "long"] and {"short-then-short", "short-then-long"} <= set(names)
+    for arch in ARCHS:
+        mine = [d for d in DRAFTERS if d.arch == arch]
+        assert {(d.store, d.warm_start is None) for d in mine} >= {("short", True), ("long", True), ("long", False)}
+    for i, d in enumerate(DRAFTERS):
+        if d.warm_start is not None:
+            src = names.index(d.warm_start)
+            assert src < i and DRAFTERS[src].arch == d.arch and DRAFTERS[src].warm_start is None
+    scale = SCALES["gpu"]
+    assert drafter_config(scale)["layer_types"] == ["full_attention"] * scale.drafter_layers
+    assert drafter_config(scale, "swa")["sliding_window"] == 2048
+    assert "anchor_sampling" not in train_config("R", scale, "short-then-long")["csbp"]
+    assert train_config("R", scale, "swa-short-then-long-locality")["csbp"]["anchor_sampling"] == "locality"
+    assert train_config("R", scale, "swa-full-long")["model"]["draft_model_config"] == "R/drafter-swa-full.json"
+    # selection: the named ones plus their sources, in training order; "all" and None: the grid
+    assert [d.name for d in select("swa-full-short-then-long,long")] == ["long", "swa-full-short",
+                                                                         "swa-full-short-then-long"]
+    assert select("all") == select(None) == DRAFTERS
+    for bad in ("nope", "short,nope", ","):
+        with pytest.raises(ValueError, match="^--drafters: unknown drafter .*; allowed: all or a comma-separated"):
+            select(bad)
+
+
+def test_local_prompts_continue_with_filler_only():
+    from specforge_csbp.studies.long_context.documents import far_positions, local_prompts
+
+    spec = DocSpec(length=4096, seed=2, min_distance=64)
+    prompts = local_prompts(spec, range(2), cuts_per_doc=4, span=24)
+    assert len(prompts) == 8
+    for p in prompts:
+        doc = make_document(spec, p["doc"])
+        far = far_positions(doc)
+        assert p["input_ids"] == doc.tokens[: p["position"]].tolist()
+        assert not far[p["position"] : p["position"] + 24].any()
+        # filler only: no marker, no dependent token, nothing copied from far
+        assert not set(doc.tokens[p["position"] : p["position"] + 24].tolist()) & {4, 5, 6, 7}
+        assert not {q for q, _, _ in doc.deps} & set(range(p["position"], p["position"] + 24))
+    doc = make_document(spec, 0)
+    far = far_positions(doc)
+    for q, _, kind in doc.deps:  # the marks: every dependency, and a repeat's cue before its first one
+        assert far[q]
+    assert far[doc.tokens == ASK].all()
 
 
 def test_target_training_resumes_and_is_idempotent(tmp_path):
@@ -134,3 +204,25 @@ def test_every_scale_is_a_valid_capture_and_training_config(name):
     check_target_layer_ids(scale.target_layer_ids, scale.target.layers)
     assert scale.long_len % scale.short_len == 0 and scale.anchors_long % scale.ratio == 0
     assert scale.long_len <= scale.target.max_position and max(scale.bucket_edges) < scale.long_len
+
+
+def test_carry_keeps_results_and_only_the_exports_still_needed(tmp_path):
+    """device_longctx.sh packs `--stage carry`: every eval result, and an export only while it is not
+    evaluated on both sets or a warm start from it is still to train."""
+    from specforge_csbp.studies.long_context.study import carry_paths
+
+    def export(name):
+        (tmp_path / f"drafter-{name}").mkdir()
+        (tmp_path / f"drafter-{name}" / "model.safetensors").write_bytes(b"x")
+
+    for name in ("short", "long", "swa-short"):
+        export(name)
+        (tmp_path / f"eval-{name}.json").write_text("{}")
+    (tmp_path / "eval-short-local.json").write_text("{}")
+    (tmp_path / "eval-long-local.json").write_text("{}")
+    (tmp_path / "commands.json").write_text("{}")
+    kept = set(carry_paths(str(tmp_path)))
+    # short: a source of short-then-long (not exported); long: evaluated on both sets, no one's source;
+    # swa-short: its local set not evaluated yet
+    assert kept == {"commands.json", "eval-short.json", "eval-short-local.json", "eval-long.json",
+                    "eval-long-local.json", "eval-swa-short.json", "drafter-short", "drafter-swa-short"}

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["ASK", "END", "FIRST_WORD", "KEY", "SEP", "DocSpec", "Document", "make_document", "eval_prompts"]
+__all__ = ["ASK", "END", "FIRST_WORD", "KEY", "SEP", "DocSpec", "Document", "eval_prompts", "far_positions",
+           "local_prompts", "make_document"]
 
 KEY, ASK, SEP, END = 4, 5, 6, 7
 FIRST_WORD = 8  # ids 0-3: the tokenizer's pad / bos / eos / mask; 4-7: markers; words from 8 on
@@ -130,4 +131,49 @@ def eval_prompts(spec: DocSpec, indices: range | list[int], cuts_per_doc: int) -
         for j in sorted(set(picks.tolist())):
             p, s = starts[j]
             prompts.append({"input_ids": doc.tokens[:p].tolist(), "position": p, "distance": p - s, "doc": i})
+    return prompts
+
+
+def far_positions(doc: Document) -> np.ndarray:
+    """A mask over the document: True where the token is not predictable from the tokens just before it - a
+    dependent token (`deps`), a repeat's cue (the first tokens of a copied span, not in `deps`), a marker or
+    anything between KEY and END (records and queries: random keys and values), and the token after any of
+these (the filler resumes from the word before the interruption)."""
+    far = np.zeros(len(doc.tokens), dtype=bool)
+    repeats = sorted(p for p, _, kind in doc.deps if kind == "repeat")
+    for j, p in enumerate(repeats):
+        far[p] = True
+        if j == 0 or repeats[j - 1] != p - 1:  # a span's first dependent token: its cue lies just before
+            far[max(0, p - REPEAT_HEAD) : p] = True
+    for p, _, kind in doc.deps:
+        far[p] = True
+    inside = False
+    for i, t in enumerate(doc.tokens.tolist()):
+        if t in (KEY, ASK):
+            inside = True
+        far[i] |= inside
+        if t == END:
+            inside = False
+    far[1:] |= far[:-1].copy()  # after a record, query or repeat the filler resumes from the word before it
+    return far
+
+
+def local_prompts(spec: DocSpec, indices: range | list[int], cuts_per_doc: int, span: int) -> list[dict]:
+    """Held-out prompts whose continuation is local: each document cut at `cuts_per_doc` positions (spread over
+    the document) followed by `span` tokens of Markov filler only (`far_positions` false), so the next tokens
+    follow from the last word alone. Returns {"input_ids", "position", "doc"} records."""
+    prompts = []
+    for i in indices:
+        doc = make_document(spec, i)
+        far = far_positions(doc)
+        # c[p] = number of far tokens in [0, p): a cut at p is local when [p, p + span) holds none
+        c = np.concatenate([[0], np.cumsum(far)])
+        ends = np.arange(span, len(far) + 1)
+        starts = np.flatnonzero(c[ends] - c[ends - span] == 0)
+        starts = starts[starts >= span]  # a prompt of a few tokens tells nothing
+        if len(starts) == 0:
+            continue
+        picks = np.linspace(0, len(starts) - 1, num=min(cuts_per_doc, len(starts))).round().astype(int)
+        for p in sorted({int(starts[j]) for j in picks}):
+            prompts.append({"input_ids": doc.tokens[:p].tolist(), "position": p, "doc": i})
     return prompts

@@ -4,23 +4,25 @@ skips work whose output is already there (so a stage cut by a time limit is run 
     target    train the study's target (target.py), resumable     -> RUN/target/, RUN/accuracy.json
     capture   long documents and the same tokens cut into short windows, held-out prompts (jsonl), then
               `specforge-csbp capture` into two feature stores     -> RUN/store-long/, RUN/store-short/
-    train     `python -m specforge_csbp train --csbp` under one budget per drafter (DRAFTERS):
+    train     `python -m specforge_csbp train --csbp` under one budget per drafter of the grid (grid.py):
                   long:  batch 1 x long documents,  A anchors each
                   short: batch r x short windows,   A / r anchors each   (r = long / short length)
               same tokens, steps, supervised tokens and anchors per token; only the context length differs.
-              With `Scale.extend`, two more start from the short drafter's weights and train the same
-              budget again: short-then-short on the short store, short-then-long on the long one (does
-              more training at long context pay, against the same extra training at short context?).
+              A warm start (short-then-long, short-then-short) loads its source's exported weights and trains
+              the same budget again (fresh optimizer, the schedule's warm-up again).
               Each drafter is then exported as SGLang serves it       -> RUN/output-NAME/ (checkpoints),
                                                                         RUN/drafter-NAME/ (exports)
-    eval      `specforge-csbp eval` of every export on held-out long prompts cut inside far repeats, tau per
-              context-position bucket (--bucket-edges)               -> RUN/eval-NAME.json
-
-A stage needs only the files named above: eval runs from the target and the two exports (a few MB each), so a
-fresh machine continues the study without the stores.
-    report    records (workload "longctx", bench/records.py), one plot with both curves and the target's
-              accuracy by distance, the two result tables            -> RUN/records.jsonl, RUN/long_context.png,
+    eval      `specforge-csbp eval` of every export on two held-out sets, tau per context-position bucket
+              (--bucket-edges): prompts cut inside far repeats, and prompts followed by local filler
+                                                                     -> RUN/eval-NAME.json, RUN/eval-NAME-local.json
+    report    records (workload "longctx"), the plot of every drafter's curves and the target's accuracy by
+              distance, the result tables (report.py)                -> RUN/records.jsonl, RUN/long_context.png,
                                                                         RUN/long_context_tables.md
+
+`drafters` (scripts/long_context_study.py --drafters a,b) picks the grid entries a call trains and evaluates
+(warm-start sources added); the report covers every drafter evaluated so far. A stage needs only the files
+named above: eval runs from the target and the exports (a few MB each), so a fresh machine continues the study
+without the stores, which capture writes again only while a chosen drafter is not exported.
 
 Commands run as subprocesses of this interpreter and are logged (they are the records' `command`).
 """
@@ -36,13 +38,14 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
-from ...bench.records import BenchRecord
 from ...cli.main import main as cli_main
-from ...outputs import pyplot, save_figure_atomic, write_json_atomic, write_text_atomic
-from .documents import DocSpec, eval_prompts, make_document
+from ...outputs import write_json_atomic, write_text_atomic
+from .documents import DocSpec, eval_prompts, local_prompts, make_document
+from .grid import ARCHS, DRAFTERS, DrafterRun, drafter_config_name, layer_types, select
+from .report import EVAL_SETS, eval_path, plot_study, span, study_records, tables_markdown, update_docs
 from .target import HELD_OUT_BASE, TargetScale, accuracy_by_distance, train_target
 
-__all__ = ["SCALES", "STAGES", "Scale", "run_stage"]
+__all__ = ["SCALES", "STAGES", "Scale", "carry_paths", "run_stage"]
 
 K = 1024
 _START = time.monotonic()  # log lines carry the seconds since this stage started: which step costs what
@@ -76,7 +79,9 @@ class Scale:
     lr: float = 3e-3
     min_distance: int = 64
     target_minutes: float | None = None
-    extend: bool = True  # also train short-then-short and short-then-long (DRAFTERS)
+    window: int = 2048  # the sliding window of the swa architectures (grid.py)
+    drafters: str | None = None  # the grid entries of this call (grid.select): None = all
+    plateau_steps: int | None = None  # csbp.plateau_steps of the drafters' runs (None: the plugin's default)
 
     @property
     def ratio(self) -> int:
@@ -89,8 +94,8 @@ def _scales() -> dict[str, Scale]:
         target=TargetScale(layers=3, hidden=64, heads=4, kv_heads=2, intermediate=128, rope_theta=10000.0,
                            max_position=4096, phases=((256, 8, 2), (2048, 2, 1)), lr=3e-3, warmup=2, dense_steps=4),
         long_len=2048, short_len=256, train_docs=2, anchors_long=64, epochs=2, block_size=4,
-        target_layer_ids=(0, 1), drafter_layers=1, nproc=1, cp_size=1, device="cpu", dtype="float32",
-        attention_backend="sdpa", eval_docs=2, cuts_per_doc=2, max_new_tokens=12,
+        target_layer_ids=(0, 1), drafter_layers=2, window=128, nproc=1, cp_size=1, device="cpu", dtype="float32",
+        attention_backend="sdpa", eval_docs=2, cuts_per_doc=2, max_new_tokens=12, plateau_steps=4,
         bucket_edges=(0, 256, 512, 1024), distance_edges=(0, 256, 1024), accuracy_docs=1,
     )  # fmt: skip
     gpu = Scale(
@@ -112,28 +117,9 @@ SCALES = _scales()
 STAGES = ("target", "capture", "train", "eval", "report")
 
 
-@dataclass(frozen=True)
-class DrafterRun:
-    """One drafter of the study: the store it trains on and the drafter whose export it starts from."""
-
-    name: str
-    store: str  # "short" | "long"
-    warm_start: str | None = None
-
-    def label(self, scale: Scale) -> str:
-        length = scale.long_len if self.store == "long" else scale.short_len
-        if self.warm_start is None:
-            return f"trained at {length} tokens"
-        return f"trained at {scale.short_len}, then at {length} tokens"
-
-
-#: in training order: a warm start's source comes before it
-DRAFTERS = (DrafterRun("short", "short"), DrafterRun("long", "long"),
-            DrafterRun("short-then-short", "short", "short"), DrafterRun("short-then-long", "long", "short"))  # fmt: skip
-
-
 def drafters(scale: Scale) -> tuple[DrafterRun, ...]:
-    return DRAFTERS if scale.extend else DRAFTERS[:2]
+    """The grid entries this call trains and evaluates."""
+    return select(scale.drafters)
 
 
 def doc_spec(scale: Scale, length: int, seed: int):
@@ -203,8 +189,12 @@ def stage_target(run: str, scale: Scale, seed: int) -> None:
         _log(run, f"target accuracy {r['kind']:6s} distance {r['start']}{end}: {r['accuracy']:.3f} ({r['count']})")
 
 
-def drafter_config(scale: Scale) -> dict:
+def drafter_config(scale: Scale, arch: str = "full") -> dict:
+    """The drafter config of an architecture of the grid (full: the study's first drafters, unchanged)."""
     t = scale.target
+    types = layer_types(arch, scale.drafter_layers)
+    window = {"use_sliding_window": False} if arch == "full" else {
+        "use_sliding_window": True, "sliding_window": scale.window}  # fmt: skip
     return {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": t.hidden,
         "intermediate_size": t.intermediate, "num_hidden_layers": scale.drafter_layers,
@@ -212,7 +202,7 @@ def drafter_config(scale: Scale) -> dict:
         "hidden_act": "silu", "vocab_size": t.vocab_size, "rms_norm_eps": 1e-6,
         "max_position_embeddings": t.max_position,
         "rope_parameters": {"rope_type": "default", "rope_theta": t.rope_theta},
-        "layer_types": ["full_attention"] * scale.drafter_layers, "use_sliding_window": False,
+        "layer_types": types, **window,
         "attention_bias": False, "tie_word_embeddings": False, "block_size": scale.block_size,
         "num_target_layers": t.layers,
         "dflash_config": {"block_size": scale.block_size, "mask_token_id": 3,
@@ -223,7 +213,8 @@ def drafter_config(scale: Scale) -> dict:
 def stage_capture(run: str, scale: Scale, seed: int) -> None:
     data = os.path.join(run, "data")
     os.makedirs(data, exist_ok=True)
-    write_json_atomic(os.path.join(run, "drafter.json"), drafter_config(scale))
+    for arch in ARCHS:
+        write_json_atomic(os.path.join(run, drafter_config_name(arch)), drafter_config(scale, arch))
     long_rows, short_rows = [], []
     spec = doc_spec(scale, scale.long_len, seed)
     base = 2 * HELD_OUT_BASE  # the drafters' documents: neither the target's stream nor the held-out ones
@@ -235,15 +226,15 @@ def stage_capture(run: str, scale: Scale, seed: int) -> None:
             short_rows.append({"id": f"short-{i:05d}-{w:03d}", "input_ids": piece})
     _write_jsonl(os.path.join(data, "long.jsonl"), long_rows)
     _write_jsonl(os.path.join(data, "short.jsonl"), short_rows)
-    prompts = eval_prompts(spec, range(HELD_OUT_BASE + 500, HELD_OUT_BASE + 500 + scale.eval_docs), scale.cuts_per_doc)
-    _write_jsonl(os.path.join(data, "prompts.jsonl"), prompts)
+    prompts = write_prompts(run, scale, seed)
     _log(run, f"capture: {len(long_rows)} long documents of {scale.long_len}, {len(short_rows)} windows of "
-              f"{scale.short_len}, {len(prompts)} held-out prompts")  # fmt: skip
+              f"{scale.short_len}, held-out prompts: {prompts['far']} far, {prompts['local']} local")  # fmt: skip
     for kind, length in (("long", scale.long_len), ("short", scale.short_len)):
         store = os.path.join(run, f"store-{kind}")
         users = [d.name for d in drafters(scale) if d.store == kind]
         if all(_exported(run, name) for name in users):
-            _log(run, f"capture: {', '.join(users)} trained and exported; {store} not needed")
+            why = f"{', '.join(users)} trained and exported" if users else "no chosen drafter trains on it"
+            _log(run, f"capture: {why}; {store} not needed")
             continue
         if os.path.isfile(os.path.join(store, "manifest.json")) and os.path.isfile(os.path.join(store, "DONE")):
             _log(run, f"capture: {store} exists; skipped")
@@ -258,13 +249,30 @@ def stage_capture(run: str, scale: Scale, seed: int) -> None:
         open(os.path.join(store, "DONE"), "w").close()
 
 
+def _prompts_path(run: str, eval_set: str) -> str:
+    return os.path.join(run, "data", "prompts.jsonl" if eval_set == "far" else f"prompts-{eval_set}.jsonl")
+
+
+def write_prompts(run: str, scale: Scale, seed: int) -> dict[str, int]:
+    """Both held-out sets (deterministic: a fresh machine writes the same ones): documents never trained on,
+    cut inside far repeats ("far") and before `max_new_tokens` of filler ("local"). Returns their sizes."""
+    spec = doc_spec(scale, scale.long_len, seed)
+    docs = range(HELD_OUT_BASE + 500, HELD_OUT_BASE + 500 + scale.eval_docs)
+    sets = {"far": eval_prompts(spec, docs, scale.cuts_per_doc),
+            "local": local_prompts(spec, docs, scale.cuts_per_doc, scale.max_new_tokens)}  # fmt: skip
+    os.makedirs(os.path.join(run, "data"), exist_ok=True)
+    for name, rows in sets.items():
+        _write_jsonl(_prompts_path(run, name), rows)
+    return {name: len(rows) for name, rows in sets.items()}
+
+
 def train_config(run: str, scale: Scale, name: str) -> dict:
     """The SpecForge run config of one drafter (DRAFTERS): the same steps, tokens and anchors per token for
     every drafter; a warm start loads the weights (only) of its source's export."""
     d = next(d for d in DRAFTERS if d.name == name)
     long = d.store == "long"
     model = {"target_model_path": os.path.join(run, "target"),
-             "draft_model_config": os.path.join(run, "drafter.json"),
+             "draft_model_config": os.path.join(run, drafter_config_name(d.arch)),
              "torch_dtype": "float32" if scale.device == "cpu" else "bfloat16"}  # fmt: skip
     if d.warm_start is not None:
         model["draft_checkpoint_path"] = _export_dir(run, d.warm_start)
@@ -281,7 +289,9 @@ def train_config(run: str, scale: Scale, name: str) -> dict:
         "deployment": {"trainer": {"nproc_per_node": scale.nproc}},
         "run_id": f"longctx-{scale.name}-{name}",
         "output_dir": os.path.join(run, f"output-{name}"),
-        "csbp": {"cp_size": scale.cp_size},
+        "csbp": {"cp_size": scale.cp_size,
+                 **({} if d.anchor_sampling == "uniform" else {"anchor_sampling": d.anchor_sampling}),
+                 **({} if scale.plateau_steps is None else {"plateau_steps": scale.plateau_steps})},
     }  # fmt: skip
 
 
@@ -328,18 +338,40 @@ def _export(run: str, kind: str) -> None:
     _note_command(run, f"export-{kind}", _call(run, argv, in_process=True))
 
 
+def carry_paths(run: str) -> list[str]:
+    """What a fresh machine needs to continue the study (relative to `run`; the target is carried apart):
+    every eval result, the commands, the target's accuracy, the log, and only the exports still needed - one
+    not yet evaluated on every set, or the warm-start source of a drafter not yet exported. An export both
+    evaluated and no longer a source is left behind (its eval results are all the report reads)."""
+    pending = {d.warm_start for d in DRAFTERS if d.warm_start is not None and not _exported(run, d.name)}
+    keep = [n for n in ("accuracy.json", "commands.json", "study.log") if os.path.isfile(os.path.join(run, n))]
+    for d in DRAFTERS:
+        keep += [os.path.basename(eval_path(run, d.name, s)) for s in EVAL_SETS
+                 if os.path.isfile(eval_path(run, d.name, s))]  # fmt: skip
+        evaluated = all(os.path.isfile(eval_path(run, d.name, s)) for s in EVAL_SETS)
+        if _exported(run, d.name) and (not evaluated or d.name in pending):
+            keep.append(os.path.basename(_export_dir(run, d.name)))
+    return keep
+
+
 def stage_eval(run: str, scale: Scale, seed: int) -> None:
-    for kind in (d.name for d in drafters(scale)):
-        out = os.path.join(run, f"eval-{kind}.json")
-        if os.path.isfile(out):
-            _log(run, f"eval: {out} exists; skipped")
-            continue
-        argv = ["python", "-m", "specforge_csbp", "eval", "--drafter", _export_dir(run, kind),
-                "--target", os.path.join(run, "target"), "--prompts", os.path.join(run, "data", "prompts.jsonl"),
-                "--max-new-tokens", str(scale.max_new_tokens), "--device", scale.device, "--dtype", scale.dtype,
-                "--ignore-eos", "--bucket-edges", ",".join(map(str, scale.bucket_edges)), "--out", out,
-                "--no-progress"]  # fmt: skip
-        _note_command(run, f"eval-{kind}", _call(run, argv, in_process=True))
+    """Every chosen drafter on both held-out sets, in this process (cli.main): the device's one-time start-up
+    (CUDA context, kernels) is paid once for all of them."""
+    if not all(os.path.isfile(_prompts_path(run, s)) for s in EVAL_SETS):
+        write_prompts(run, scale, seed)  # a fresh machine from carried state: the same prompts again
+    for d in drafters(scale):
+        for eval_set in EVAL_SETS:
+            out = eval_path(run, d.name, eval_set)
+            if os.path.isfile(out):
+                _log(run, f"eval: {out} exists; skipped")
+                continue
+            argv = ["python", "-m", "specforge_csbp", "eval", "--drafter", _export_dir(run, d.name),
+                    "--target", os.path.join(run, "target"), "--prompts", _prompts_path(run, eval_set),
+                    "--max-new-tokens", str(scale.max_new_tokens), "--device", scale.device, "--dtype", scale.dtype,
+                    "--ignore-eos", "--bucket-edges", ",".join(map(str, scale.bucket_edges)), "--out", out,
+                    "--no-progress"]  # fmt: skip
+            key = d.name if eval_set == "far" else f"{d.name}-{eval_set}"
+            _note_command(run, f"eval-{key}", _call(run, argv, in_process=True))
 
 
 def _device_name(scale: Scale) -> str:
@@ -350,147 +382,43 @@ def _device_name(scale: Scale) -> str:
     return "cpu"
 
 
-def study_records(run: str, scale: Scale, device: str) -> list[dict]:
-    """One record per (drafter, context-position bucket) and one per target-accuracy bucket."""
-    cmds = _commands(run)
-    date = datetime.date.today().isoformat()
-    mode = "csbp" if scale.cp_size > 1 else "dp"
-    records = []
-    for d in drafters(scale):
-        kind = d.name
-        path = os.path.join(run, f"eval-{kind}.json")
-        if not os.path.isfile(path):  # not evaluated yet: the other records alone
-            continue
-        summary = json.load(open(path))
-        train_len = scale.long_len if d.store == "long" else scale.short_len
-        for b in summary["buckets"]:
-            records.append(BenchRecord(
-                workload="longctx", mode=mode, world_size=scale.nproc, context_len=train_len,
-                block_size=summary["block_size"], device=device, date=date, command=cmds.get(f"eval-{kind}", ""),
-                status="ok", scale=scale.name, metric="tau", drafter=kind, train_len=train_len,
-                bucket_start=b["start"], bucket_end=b["end"], tau=b["tau"], verify_steps=b["verify_steps"],
-                tau_overall=summary["tau"], train_command=cmds.get(f"train-{kind}", ""),
-                eval_prompts=summary["num_prompts"], max_context=summary["max_context"],
-                warm_start=d.warm_start, label=d.label(scale),
-            ).model_dump())  # fmt: skip
-    acc_path = os.path.join(run, "accuracy.json")
-    if os.path.isfile(acc_path):
-        acc = json.load(open(acc_path))
-        for r in acc["rows"]:
-            records.append(BenchRecord(
-                workload="longctx", mode="reference", world_size=1, context_len=acc["context"],
-                block_size=scale.block_size, device=acc.get("device", device), date=acc.get("date", date),
-                command=f"python scripts/long_context_study.py --stage target --scale {scale.name}",
-                scale=scale.name, metric="target_accuracy", dependency=r["kind"], distance_start=r["start"],
-                distance_end=r["end"], accuracy=r["accuracy"], count=r["count"],
-            ).model_dump())  # fmt: skip
-    return records
-
-
-def plot_study(records: list[dict], path: str) -> None:
-    """Left: tau per context-position bucket, one line per drafter. Right: the target's accuracy by distance."""
-    plt = pyplot()
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    colors = {"short": "tab:orange", "long": "tab:blue", "short-then-short": "tab:red",
-              "short-then-long": "tab:green"}  # fmt: skip
-    for kind in _drafter_names(records):
-        rows = [r for r in records if r.get("metric") == "tau" and r["drafter"] == kind and r["tau"] is not None]
-        if not rows:
-            continue
-        top = max(r["max_context"] for r in rows)
-        xs = [(r["bucket_start"] + (r["bucket_end"] if r["bucket_end"] is not None else top)) / 2 for r in rows]
-        ax.plot(xs, [r["tau"] for r in rows], marker="o", color=colors.get(kind), label=_label(rows[0]))
-    ax.set_xlabel("context position of the draft block (bucket middle)")
-    ax.set_ylabel("tau (tokens per verify step)")
-    ax.set_title("drafter acceptance by context position")
-    ax.grid(True, alpha=0.3)
-    if ax.get_lines():
-        ax.legend(fontsize=8)
-    else:
-        ax.text(0.5, 0.5, "drafters not evaluated yet", ha="center", va="center", transform=ax.transAxes)
-    for dep, marker in (("repeat", "o"), ("query", "s")):
-        rows = [r for r in records if r.get("metric") == "target_accuracy" and r["dependency"] == dep]
-        if rows:
-            ax2.plot([max(1, r["distance_start"]) for r in rows], [r["accuracy"] for r in rows], marker=marker,
-                     label=dep)  # fmt: skip
-    ax2.set_xscale("log")
-    ax2.set_ylim(-0.02, 1.02)
-    ax2.set_xlabel("dependency distance (bucket start, tokens)")
-    ax2.set_ylabel("target greedy accuracy")
-    ax2.set_title("the target's long-range accuracy")
-    ax2.grid(True, alpha=0.3)
-    ax2.legend(fontsize=8)
-    fig.tight_layout()
-    save_figure_atomic(fig, path)
-
-
-def _drafter_names(records: list[dict]) -> list[str]:
-    """The drafters of tau records, in DRAFTERS order."""
-    present = {r["drafter"] for r in records if r.get("metric") == "tau"}
-    return [d.name for d in DRAFTERS if d.name in present]
-
-
-def _label(record: dict) -> str:
-    return record.get("label") or f"trained at {record['train_len']} tokens"
-
-
-def _span(start: int, end: int | None) -> str:
-    return f"{start}+" if end is None else f"{start}-{end}"
-
-
-def tables_markdown(records: list[dict]) -> str:
-    """The two tables of docs/long_context.md's results, generated from the records (never typed)."""
-    acc = [r for r in records if r.get("metric") == "target_accuracy"]
-    lines = ["| dependency | distance (tokens) | target greedy accuracy | tokens |", "|---|---|---|---|"]
-    lines += [f"| {r['dependency']} | {_span(r['distance_start'], r['distance_end'])} | {r['accuracy']:.3f} | "
-              f"{r['count']} |" for r in acc]  # fmt: skip
-    taus = [r for r in records if r.get("metric") == "tau"]
-    if not taus:  # the drafters are not evaluated yet
-        return "\n".join(lines) + "\n"
-    by_bucket: dict[tuple, dict] = {}
-    for r in taus:
-        by_bucket.setdefault((r["bucket_start"], r["bucket_end"]), {})[r["drafter"]] = r
-    names = _drafter_names(taus)
-    labels = {r["drafter"]: _label(r) for r in taus}
-    lines += ["", "| context positions | " + " | ".join(f"tau, {labels[k]}" for k in names)
-              + f" | verify steps ({' / '.join(names)}) |", "|---" * (len(names) + 2) + "|"]  # fmt: skip
-    for (start, end), row in sorted(by_bucket.items()):
-        cells = ["n/a" if row.get(k, {}).get("tau") is None else f"{row[k]['tau']:.2f}" for k in names]
-        steps = " / ".join(str(row.get(k, {}).get("verify_steps", 0)) for k in names)
-        lines.append(f"| {_span(start, end)} | " + " | ".join(cells) + f" | {steps} |")
-    return "\n".join(lines) + "\n"
-
-
-def stage_report(run: str, scale: Scale, seed: int, records_path: str | None = None) -> list[dict]:
-    records = study_records(run, scale, _device_name(scale))
+def stage_report(run: str, scale: Scale, seed: int, records_path: str | None = None,
+                 docs: str | None = None) -> list[dict]:  # fmt: skip
+    """Records, plot and tables of every drafter evaluated so far; `docs`: also the tables into that markdown
+    file's report block and the plot beside it (docs/long_context.md, docs/long_context.png)."""
+    records = study_records(run, scale, _device_name(scale), _commands(run))
     path = records_path or os.path.join(run, "records.jsonl")
     _write_jsonl(path, records)
     plot_study(records, os.path.join(run, "long_context.png"))
-    with open(os.path.join(run, "long_context_tables.md"), "w") as f:
-        f.write(tables_markdown(records))
+    tables = tables_markdown(records)
+    write_text_atomic(os.path.join(run, "long_context_tables.md"), tables)
+    if docs is not None:
+        update_docs(docs, tables)
+        plot_study(records, os.path.join(os.path.dirname(docs), "long_context.png"))
     for r in records:
         if r.get("metric") == "tau":
-            end = "+" if r["bucket_end"] is None else f"-{r['bucket_end']}"
             tau = "n/a" if r["tau"] is None else f"{r['tau']:.2f}"
-            _log(run, f"report: drafter {r['drafter']:5s} (trained at {r['train_len']}) positions "
-                      f"{r['bucket_start']}{end}: tau {tau} ({r['verify_steps']} steps)")  # fmt: skip
+            _log(run, f"report: {r['eval_set']:5s} {r['drafter']} positions {span(r['bucket_start'], r['bucket_end'])}"
+                      f": tau {tau} ({r['verify_steps']} steps)")  # fmt: skip
     _log(run, f"report: {len(records)} records -> {path}; plot -> {os.path.join(run, 'long_context.png')}")
     return records
 
 
 def run_stage(stage: str, scale_name: str, run: str, *, seed: int = 0, records: str | None = None,
-              overrides: dict | None = None) -> None:  # fmt: skip
-    """Run one stage (or "all": every stage in order) of the study at `scale_name` under `run`."""
+              docs: str | None = None, overrides: dict | None = None) -> None:  # fmt: skip
+    """Run one stage (or "all": every stage in order) of the study at `scale_name` under `run`;
+    `overrides`: Scale fields (e.g. drafters="swa-short,swa-short-then-long", target_minutes)."""
     if scale_name not in SCALES:
         raise ValueError(f"--scale must be one of {', '.join(SCALES)}; got {scale_name!r}")
     if stage not in (*STAGES, "all"):
         raise ValueError(f"--stage must be one of {', '.join((*STAGES, 'all'))}; got {stage!r}")
     scale = replace(SCALES[scale_name], **(overrides or {}))
+    chosen = drafters(scale)  # an unknown name fails here, before any stage runs
     os.makedirs(run, exist_ok=True)
     for s in STAGES if stage == "all" else (stage,):
-        _log(run, f"== stage {s} (scale {scale.name}) in {run}")
+        _log(run, f"== stage {s} (scale {scale.name}, drafters {','.join(d.name for d in chosen)}) in {run}")
         if s == "report":
-            stage_report(run, scale, seed, records)
+            stage_report(run, scale, seed, records, docs)
         else:
             {"target": stage_target, "capture": stage_capture, "train": stage_train, "eval": stage_eval}[s](
                 run, scale, seed
