@@ -7,6 +7,8 @@ deep into the context, where one trained on short sequences does not?
     python scripts/long_context_study.py --scale gpu --stage capture|train|eval|report [--records FILE]
     python scripts/long_context_study.py --scale gpu --stage all --drafters swa-short,swa-short-then-long
     python scripts/long_context_study.py --scale gpu --stage report --docs docs/long_context.md
+    python scripts/long_context_study.py --scale gpu --stage report --docs docs/long_context.md \
+        --from-records benchmarks/results/longctx_h200_2026-12-01.jsonl,benchmarks/results/longctx_h200_DATE.jsonl
 
 Every stage is idempotent: it skips what its outputs already hold, and the target stage resumes its training.
 """
@@ -40,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docs", default=None,
                    help="report: also write the tables into this markdown file's report block and the plot "
                    "beside it (docs/long_context.md)")
+    p.add_argument("--from-records", default=None,
+                   help="report: comma-separated record files to plot and tabulate instead of RUN's eval results")
     args = p.parse_args(argv)
     run = args.run or os.path.join("runs", "long_context", args.scale)
     if args.stage == "carry":
@@ -52,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides["drafters"] = args.drafters
     try:
         run_stage(args.stage, args.scale, run, seed=args.seed, records=args.records, docs=args.docs,
-                  overrides=overrides)  # fmt: skip
+                  from_records=tuple(f for f in (args.from_records or "").split(",") if f), overrides=overrides)
     except ValueError as err:  # bad input (--drafters, --docs): one line
         print(f"long_context_study: {err}", file=sys.stderr)
         return 2

@@ -226,3 +226,28 @@ def test_carry_keeps_results_and_only_the_exports_still_needed(tmp_path):
     # swa-short: its local set not evaluated yet
     assert kept == {"commands.json", "eval-short.json", "eval-short-local.json", "eval-long.json",
                     "eval-long-local.json", "eval-swa-short.json", "drafter-short", "drafter-swa-short"}
+
+
+def test_report_from_records_writes_the_docs_block_and_plot(tmp_path):
+    """--stage report --from-records --docs: the tables made from record files replace the docs' report block
+    (and only it); the plot is written beside the docs; a file without the block is a one-line error."""
+    from specforge_csbp.studies.long_context.report import REPORT_BEGIN, REPORT_END
+    from specforge_csbp.studies.long_context.study import run_stage
+
+    docs = tmp_path / "docs" / "page.md"
+    docs.parent.mkdir()
+    docs.write_text(f"# page\n\nbefore\n\n{REPORT_BEGIN}\nstale\n{REPORT_END}\n\nafter\n")
+    files = tuple(str(ROOT / "benchmarks" / "results" / f"longctx_h200_{d}.jsonl") for d in ("2026-12-01", "2026-12-02"))
+    run_stage("report", "gpu", str(tmp_path / "run"), docs=str(docs), from_records=files)
+    text = docs.read_text()
+    assert text.startswith("# page\n\nbefore\n\n") and text.endswith(f"{REPORT_END}\n\nafter\n") and "stale" not in text
+    block = text[text.index(REPORT_BEGIN) : text.index(REPORT_END)]
+    assert "| query | 16384+ |" in block  # the target's accuracy (first file)
+    far = [line for line in block.splitlines() if line.startswith(("| short |", "| long |"))]
+    assert [line.split(" | ")[1] for line in far] == ["trained at 4096 tokens", "trained at 65536 tokens"]
+    assert "cut inside a far repeat" in block and "Markov filler only" not in block  # no local records yet
+    assert (docs.parent / "long_context.png").stat().st_size > 0
+    bare = tmp_path / "bare.md"
+    bare.write_text("# no block\n")
+    with pytest.raises(ValueError, match=r"^--docs: .*bare.md has no `<!-- report: tables"):
+        run_stage("report", "gpu", str(tmp_path / "run"), docs=str(bare), from_records=files)

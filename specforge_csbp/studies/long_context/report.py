@@ -94,12 +94,16 @@ def span(start: int, end: int | None) -> str:
     return f"{start}+" if end is None else f"{start}-{end}"
 
 
+#: the color names the recipe, the line style the architecture
+_RECIPE_COLORS = {"short": "tab:orange", "long": "tab:blue", "short-then-short": "tab:red",
+                  "short-then-long": "tab:green", "short-then-long-locality": "tab:purple"}  # fmt: skip
+_ARCH_LINES = {"full": "-", "swa": "--", "swa-full": ":"}
+
+
 def _style(name: str) -> dict:
-    """One color per drafter of the grid; the line style names the architecture."""
     d = next(d for d in DRAFTERS if d.name == name)
-    i = [x.name for x in DRAFTERS].index(name)
-    return {"color": pyplot().get_cmap("tab20")(i % 20),
-            "linestyle": {"full": "-", "swa": "--", "swa-full": ":"}[d.arch]}  # fmt: skip
+    recipe = name if d.arch == "full" else name[len(d.arch) + 1 :]
+    return {"color": _RECIPE_COLORS[recipe], "linestyle": _ARCH_LINES[d.arch]}
 
 
 def plot_study(records: list[dict], path: str) -> None:

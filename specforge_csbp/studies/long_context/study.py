@@ -38,6 +38,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
+from ...bench.records import load_records
 from ...cli.main import main as cli_main
 from ...outputs import write_json_atomic, write_text_atomic
 from .documents import DocSpec, eval_prompts, local_prompts, make_document
@@ -383,29 +384,35 @@ def _device_name(scale: Scale) -> str:
 
 
 def stage_report(run: str, scale: Scale, seed: int, records_path: str | None = None,
-                 docs: str | None = None) -> list[dict]:  # fmt: skip
+                 docs: str | None = None, from_records: tuple[str, ...] = ()) -> list[dict]:  # fmt: skip
     """Records, plot and tables of every drafter evaluated so far; `docs`: also the tables into that markdown
-    file's report block and the plot beside it (docs/long_context.md, docs/long_context.png)."""
-    records = study_records(run, scale, _device_name(scale), _commands(run))
-    path = records_path or os.path.join(run, "records.jsonl")
-    _write_jsonl(path, records)
-    plot_study(records, os.path.join(run, "long_context.png"))
+    file's report block and the plot beside it (docs/long_context.md, docs/long_context.png). `from_records`:
+    plot and tables from these record files instead (benchmarks/results/longctx_*.jsonl; no records written)."""
+    if from_records:
+        records = [r.model_dump() for path in from_records for r in load_records(path)]
+        path = ", ".join(from_records)
+    else:
+        records = study_records(run, scale, _device_name(scale), _commands(run))
+        path = records_path or os.path.join(run, "records.jsonl")
+        _write_jsonl(path, records)
     tables = tables_markdown(records)
-    write_text_atomic(os.path.join(run, "long_context_tables.md"), tables)
-    if docs is not None:
+    if docs is not None:  # first: a docs file without the block fails before anything is drawn
         update_docs(docs, tables)
         plot_study(records, os.path.join(os.path.dirname(docs), "long_context.png"))
+    plot_study(records, os.path.join(run, "long_context.png"))
+    write_text_atomic(os.path.join(run, "long_context_tables.md"), tables)
     for r in records:
         if r.get("metric") == "tau":
             tau = "n/a" if r["tau"] is None else f"{r['tau']:.2f}"
-            _log(run, f"report: {r['eval_set']:5s} {r['drafter']} positions {span(r['bucket_start'], r['bucket_end'])}"
+            _log(run, f"report: {r.get('eval_set', 'far'):5s} {r['drafter']} positions {span(r['bucket_start'], r['bucket_end'])}"
                       f": tau {tau} ({r['verify_steps']} steps)")  # fmt: skip
     _log(run, f"report: {len(records)} records -> {path}; plot -> {os.path.join(run, 'long_context.png')}")
     return records
 
 
 def run_stage(stage: str, scale_name: str, run: str, *, seed: int = 0, records: str | None = None,
-              docs: str | None = None, overrides: dict | None = None) -> None:  # fmt: skip
+              docs: str | None = None, from_records: tuple[str, ...] = (),
+              overrides: dict | None = None) -> None:  # fmt: skip
     """Run one stage (or "all": every stage in order) of the study at `scale_name` under `run`;
     `overrides`: Scale fields (e.g. drafters="swa-short,swa-short-then-long", target_minutes)."""
     if scale_name not in SCALES:
@@ -418,7 +425,7 @@ def run_stage(stage: str, scale_name: str, run: str, *, seed: int = 0, records: 
     for s in STAGES if stage == "all" else (stage,):
         _log(run, f"== stage {s} (scale {scale.name}, drafters {','.join(d.name for d in chosen)}) in {run}")
         if s == "report":
-            stage_report(run, scale, seed, records, docs)
+            stage_report(run, scale, seed, records, docs, from_records)
         else:
             {"target": stage_target, "capture": stage_capture, "train": stage_train, "eval": stage_eval}[s](
                 run, scale, seed
