@@ -4,7 +4,8 @@ attention over the context (normalised entropy, mass on the nearest context posi
 per layer of one training step, for drafters at init and trained, on a sample of each store.
 
     python scripts/long_context_probe.py --scale cpu --run RUN --drafters short,long --near 64
-    python scripts/long_context_probe.py --scale gpu --run runs/long_context/gpu --drafters short,long --near 256
+    python scripts/long_context_probe.py --scale gpu --run runs/long_context/gpu --drafters short,long --near 256 \
+        --device cuda --blocks 32
 
 RUN needs target/, store-short/, store-long/ and the exports drafter-NAME/ (the study's capture and train
 stages); "init" is each drafter's config with freshly initialised weights (seed 0). Writes RUN/probe.json.
@@ -26,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", required=True)
     p.add_argument("--drafters", default="short,long", help="exports in RUN to probe (drafter-NAME)")
     p.add_argument("--near", type=int, default=64, help="context positions before the anchor counted as near")
+    p.add_argument("--blocks", type=int, default=64, help="blocks of the sample whose attention is measured "
+                   "(evenly spaced over its anchors; memory: heads x blocks x block size x context float64)")
+    p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
 
     import torch  # lazy: a fast --help
@@ -41,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
 
     scale = SCALES[args.scale]
     target = AutoModelForCausalLM.from_pretrained(os.path.join(args.run, "target"), dtype=torch.float32)
-    embed = target.get_input_embeddings().weight.detach()
-    head = target.get_output_embeddings().weight.detach()
+    embed = target.get_input_embeddings().weight.detach().to(args.device)
+    head = target.get_output_embeddings().weight.detach().to(args.device)
     batches = {}
     for kind, count in (("short", scale.ratio), ("long", 1)):  # one training step's samples of each store
         store = FeatureStore(os.path.join(args.run, f"store-{kind}"), verify="trust")
@@ -56,11 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.drafters.split(","):
         for state in ("init", "trained"):
             model, _ = load_drafter(os.path.join(args.run, f"drafter-{name}"), untrained=state == "init",
-                                    dtype="float32", device=torch.device("cpu"))  # fmt: skip
+                                    dtype="float32", device=torch.device(args.device))  # fmt: skip
             model.train()
             for kind, (samples, objective) in batches.items():
                 first = samples[0]
                 anchors = sample_anchors(first.loss_mask, objective, block_size=model.block_size)
+                anchors = anchors[torch.linspace(0, len(anchors) - 1, min(args.blocks, len(anchors))).long()]
                 grads = layer_grad_norms(model, samples, objective=objective, head_weight=head, embed_weight=embed)
                 row = {"drafter": name, "state": state, "store": kind, "near": args.near,
                        **context_attention(model, first, anchors, embed, args.near), "loss": grads.pop("loss"),

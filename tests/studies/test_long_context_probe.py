@@ -49,6 +49,6 @@ def test_layer_grad_norms_name_every_part_and_leave_no_gradient():
     embed = torch.randn(vocab, hidden, generator=g, dtype=torch.float64)
     out = layer_grad_norms(model, [_sample(model, 0), _sample(model, 1)], objective=DFlashObjective(num_anchors=8),
                            head_weight=head, embed_weight=embed)  # fmt: skip
-    assert set(out) == {"loss", "fc", "layers.0", "layers.1", "norm"}
+    assert set(out) == {"loss", "fc", "layers.0", "layers.1", "final_norm"}
     assert all(math.isfinite(v) and v > 0 for v in out.values())
     assert all(p.grad is None for p in model.parameters())

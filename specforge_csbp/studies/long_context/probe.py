@@ -10,6 +10,9 @@
     layer_grad_norms(model, samples, ...)             one reference step (models/dflash/step.drafter_step):
                                                       the gradient norm of fc, each layer and the final norm
 
+Both run where the model is (CPU or a GPU); the attention's memory is heads x blocks x block_size x context
+float64 values, so a probe at 64K takes a few dozen of the blocks (`anchors`).
+
 Layer 0 only: its queries are the anchor's and MASK embeddings (through input_layernorm, q_proj, q_norm,
 RoPE), so their attention needs no other layer; a later layer's queries depend on layer 0's output. The
 block's own keys are left out: the question is how attention spreads over the context.
@@ -41,15 +44,17 @@ def context_attention(
     S, dt = model.block_size, torch.float64
     m = copy.deepcopy(model).to(dt)  # the oracle's precision, the caller's model untouched
     layer, attn = m.layers[0], m.layers[0].self_attn
+    dev = m.fc.weight.device
     feats = sample.features if isinstance(sample.features, torch.Tensor) else sample.features(0, sample.seq_len)
-    ctx = m.project_context(feats[None].to(dt))  # [1, L, H]
-    pos = torch.arange(sample.seq_len)
+    ctx = m.project_context(feats[None].to(dev, dt))  # [1, L, H]
+    pos = torch.arange(sample.seq_len, device=dev)
+    anchors = anchors.to(dev)
     k, _ = attn.context_kv(ctx, *m.rotary_emb(ctx, pos[None]))  # [1, KV, L, D]
     mask_id = int(model.config.dflash_config["mask_token_id"])
-    block = torch.full((len(anchors), S), mask_id, dtype=torch.long)
-    block[:, 0] = sample.input_ids[anchors]
-    x = embed_weight.to(dt)[block.reshape(1, -1)]  # [1, N*S, H]
-    qpos = (anchors[:, None] + torch.arange(S)).reshape(1, -1)
+    block = torch.full((len(anchors), S), mask_id, dtype=torch.long, device=dev)
+    block[:, 0] = sample.input_ids.to(dev)[anchors]
+    x = embed_weight.to(dev, dt)[block.reshape(1, -1)]  # [1, N*S, H]
+    qpos = (anchors[:, None] + torch.arange(S, device=dev)).reshape(1, -1)
     cos, sin = m.rotary_emb(x, qpos)
     h = layer.input_layernorm(x)
     q = attn.normed_rope_heads(attn.q_proj(h), attn.q_norm.weight, attn.q_norm.eps, attn.num_heads, cos, sin)
@@ -79,7 +84,7 @@ def layer_grad_norms(
     head_weight: torch.Tensor, embed_weight: torch.Tensor, step: int = 0,
 ) -> dict[str, float]:  # fmt: skip
     """Gradient norm per part of the drafter after one reference step over `samples` (gradients cleared
-    before and after): fc (+ hidden_norm), layers.i, norm; and the loss of the step."""
+    before and after): fc (+ hidden_norm), layers.i, final_norm; and the loss of the step."""
     from ...models.dflash.step import drafter_step
 
     model.zero_grad(set_to_none=True)
@@ -90,7 +95,7 @@ def layer_grad_norms(
         if p.grad is None:
             continue
         part = ".".join(name.split(".")[:2]) if name.startswith("layers.") else name.split(".")[0]
-        part = "fc" if part == "hidden_norm" else part
+        part = {"hidden_norm": "fc", "norm": "final_norm"}.get(part, part)
         sums[part] = sums.get(part, 0.0) + float(p.grad.double().pow(2).sum())
     model.zero_grad(set_to_none=True)
     return {"loss": result.loss, **{k: math.sqrt(v) for k, v in sorted(sums.items())}}
