@@ -144,6 +144,11 @@ def test_grid_names_architectures_and_warm_starts():
     assert "anchor_sampling" not in train_config("R", scale, "short-then-long")["csbp"]
     assert train_config("R", scale, "swa-short-then-long-locality")["csbp"]["anchor_sampling"] == "locality"
     assert train_config("R", scale, "swa-full-long")["model"]["draft_model_config"] == "R/drafter-swa-full.json"
+    sweep = {n: train_config("R", scale, n)["training"] for n in ("long", "long-lr3x", "long-warmup25")}
+    assert sweep["long-lr3x"]["learning_rate"] == 3 * sweep["long"]["learning_rate"]
+    assert sweep["long-warmup25"]["warmup_ratio"] == 0.25 and sweep["long"]["warmup_ratio"] == 0.05
+    assert {k: v for k, v in sweep["long-lr3x"].items() if k != "learning_rate"} == {
+        k: v for k, v in sweep["long"].items() if k != "learning_rate"}  # only the schedule differs
     # selection: the named ones plus their sources, in training order; "all" and None: the grid
     assert [d.name for d in select("swa-full-short-then-long,long")] == ["long", "swa-full-short",
                                                                          "swa-full-short-then-long"]

@@ -11,6 +11,9 @@
                                      schedule's warm-up again), then the same budget on the long store
                    short-then-short  the same, on the short store (the control: more training, no long context)
     anchors        uniform (default) | locality (csbp.anchor_sampling: runs of nearby anchors)
+    plateau sweep  long-lr3x, long-warmup25: `long` at 3x the learning rate, or with a 25% warm-up instead of
+                   5% - does the from-scratch long drafter leave the unigram plateau when only the schedule
+                   changes? (the probe, probe.py, measures where its attention and gradients go)
 
 The full-attention names are unchanged (`short`, `long`, `short-then-short`, `short-then-long`); the other
 architectures prefix theirs (`swa-short`, `swa-full-short-then-long`, ...), locality variants end in `-locality`.
@@ -38,6 +41,8 @@ class DrafterRun:
     warm_start: str | None = None
     arch: str = "full"
     anchor_sampling: str = "uniform"
+    lr_scale: float = 1.0  # x Scale.lr
+    warmup_ratio: float = 0.05
 
     def label(self, short_len: int, long_len: int, window: int) -> str:
         length = long_len if self.store == "long" else short_len
@@ -45,7 +50,9 @@ class DrafterRun:
             f"trained at {short_len}, then at {length} tokens")  # fmt: skip
         arch = "" if self.arch == "full" else ARCHS[self.arch].format(w=window) + ", "
         anchors = "" if self.anchor_sampling == "uniform" else f", {self.anchor_sampling} anchors"
-        return f"{arch}{recipe}{anchors}"
+        lr = "" if self.lr_scale == 1.0 else f", lr x{self.lr_scale:g}"
+        warmup = "" if self.warmup_ratio == 0.05 else f", warm-up {self.warmup_ratio:.0%}"
+        return f"{arch}{recipe}{anchors}{lr}{warmup}"
 
 
 def _grid() -> tuple[DrafterRun, ...]:
@@ -53,8 +60,9 @@ def _grid() -> tuple[DrafterRun, ...]:
     for arch in ARCHS:
         p = "" if arch == "full" else f"{arch}-"
         runs += [DrafterRun(f"{p}short", "short", arch=arch), DrafterRun(f"{p}long", "long", arch=arch)]
-        if arch == "full":  # the control of the first study; the other architectures skip it
-            runs.append(DrafterRun("short-then-short", "short", "short"))
+        if arch == "full":  # the control of the first study, and the plateau sweep
+            runs += [DrafterRun("short-then-short", "short", "short"), DrafterRun("long-lr3x", "long", lr_scale=3.0),
+                     DrafterRun("long-warmup25", "long", warmup_ratio=0.25)]  # fmt: skip
         runs.append(DrafterRun(f"{p}short-then-long", "long", f"{p}short", arch=arch))
         if arch != "full":  # locality anchors share sliding windows between blocks: the warm-start recipes' choice
             runs.append(DrafterRun(f"{p}short-then-long-locality", "long", f"{p}short", arch=arch,

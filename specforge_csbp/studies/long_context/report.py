@@ -96,7 +96,8 @@ def span(start: int, end: int | None) -> str:
 
 #: the color names the recipe, the line style the architecture
 _RECIPE_COLORS = {"short": "tab:orange", "long": "tab:blue", "short-then-short": "tab:red",
-                  "short-then-long": "tab:green", "short-then-long-locality": "tab:purple"}  # fmt: skip
+                  "short-then-long": "tab:green", "short-then-long-locality": "tab:purple", "long-lr3x": "tab:cyan",
+                  "long-warmup25": "tab:olive"}  # fmt: skip
 _ARCH_LINES = {"full": "-", "swa": "--", "swa-full": ":"}
 
 

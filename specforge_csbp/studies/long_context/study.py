@@ -283,7 +283,7 @@ def train_config(run: str, scale: Scale, name: str) -> dict:
                  "max_length": scale.long_len if long else scale.short_len},
         "training": {"strategy": "dflash", "fsdp_sharding": "NO_SHARD", "attention_backend": scale.attention_backend,
                      "batch_size": 1 if long else scale.ratio, "num_epochs": scale.epochs,
-                     "learning_rate": scale.lr, "warmup_ratio": 0.05, "max_grad_norm": 1.0,
+                     "learning_rate": scale.lr * d.lr_scale, "warmup_ratio": d.warmup_ratio, "max_grad_norm": 1.0,
                      "num_anchors": scale.anchors_long if long else scale.anchors_long // scale.ratio,
                      "loss_decay_gamma": 4.0 if scale.block_size <= 8 else 7.0, "log_interval": 4,
                      "save_interval": 0, "seed": 0},
