@@ -28,6 +28,7 @@ import torch
 
 from ...models.dflash.features import DrafterSample
 from ...models.dflash.modeling import DFlashDraftModel
+from ...models.dflash.step import drafter_step
 from ...objectives.dflash import DFlashObjective
 
 __all__ = ["context_attention", "layer_grad_norms"]
@@ -85,8 +86,6 @@ def layer_grad_norms(
 ) -> dict[str, float]:  # fmt: skip
     """Gradient norm per part of the drafter after one reference step over `samples` (gradients cleared
     before and after): fc (+ hidden_norm), layers.i, final_norm; and the loss of the step."""
-    from ...models.dflash.step import drafter_step
-
     model.zero_grad(set_to_none=True)
     result = drafter_step(model, samples, objective=objective, mode="reference", head_weight=head_weight,
                           embed_weight=embed_weight, step=step)  # fmt: skip
