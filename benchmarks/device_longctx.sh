@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call of the long-context study:
 #   [PARTS="2 3"] [DRAFTERS=a,b,c] bash benchmarks/device_longctx.sh SECONDS
-# runs benchmarks/longctx_gpu.sh PART for each of PARTS (default: 1 2 3) and the chosen drafters of the grid
+# runs benchmarks/longctx_gpu.sh PART for each of PARTS (default: 1 2 3; also: probe) and the chosen drafters of the grid
 # (default: all) for at most SECONDS in all, then packs what came out so it fits the device tool's 8 files
 # of 16 MiB back:
 #   $OUT/results.tgz                 logs, eval JSON, records, plot, tables (small)

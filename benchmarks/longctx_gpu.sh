@@ -6,6 +6,8 @@
 #                                        # + train and export the chosen drafters
 #   bash benchmarks/longctx_gpu.sh 3     # eval the chosen drafters on both held-out sets (one process) + records,
 #                                        # plot and tables of every drafter evaluated so far
+#   bash benchmarks/longctx_gpu.sh probe # the plateau probe (scripts/long_context_probe.py) of PROBE_DRAFTERS
+#                                        # (default short,long; their exports and both stores) -> RUN/probe.json
 #   bash benchmarks/longctx_gpu.sh all   # 1, 2, 3 in order (each skips what is done: rerun it after a time limit)
 #   bash benchmarks/longctx_gpu.sh collect  # only copy the small outputs to $OUT/longctx/ (after a cut call)
 # DRAFTERS=a,b,c picks drafters of the grid (specforge_csbp/studies/long_context/grid.py; their warm-start
@@ -29,12 +31,14 @@ case "$PART" in
   1) $S --stage target --target-minutes "${TARGET_MINUTES:-9}" || { rc=$?; [ "$rc" = 3 ] && echo "target: not done; run part 1 again"; } ;;
   2) { $S --stage capture --drafters "$DRAFTERS" && $S --stage train --drafters "$DRAFTERS" --gpus "$GPUS"; } || rc=$? ;;
   3) { $S --stage eval --drafters "$DRAFTERS" && $S --stage report --records "$OUT/longctx_h200_$DATE.jsonl"; } || rc=$? ;;
+  probe) python3 scripts/long_context_probe.py --scale gpu --run "$RUN" --drafters "${PROBE_DRAFTERS:-short,long}" \
+      --near 256 --device cuda --blocks 32 || rc=$? ;;
   all) { bash "$0" 1 && bash "$0" 2 && bash "$0" 3; } || rc=$? ;;
   collect) ;;
-  *) echo "part must be 1, 2, 3, all or collect" >&2; exit 2 ;;
+  *) echo "part must be 1, 2, 3, probe, all or collect" >&2; exit 2 ;;
 esac
 if [ -f "$RUN/target/DONE" ] && ! ls "$OUT"/longctx/target.tar.part-* >/dev/null 2>&1; then
   tar cf - -C "$RUN" target | split -b 15M - "$OUT/longctx/target.tar.part-"
 fi
-cp "$RUN"/{accuracy.json,long_context.png,long_context_tables.md,study.log,commands.json} "$RUN"/eval-*.json "$OUT/longctx/" 2>/dev/null || true
+cp "$RUN"/{accuracy.json,long_context.png,long_context_tables.md,study.log,commands.json,probe.json} "$RUN"/eval-*.json "$OUT/longctx/" 2>/dev/null || true
 exit $rc

@@ -60,9 +60,9 @@ def test_bucket_edges_parse():
             raise AssertionError(bad)
 
 
-#: the miniature's cover of the grid: every architecture, both stores, a warm start of each kind of source
-#: and locality anchors; the rest of the grid differs from these in names and settings only (tested below)
-MINIATURE = ("short", "swa-long", "swa-full-short", "swa-full-short-then-long-locality")
+#: the miniature's cover of the grid: sliding-window and full-attention layers, both stores, a warm start and
+#: locality anchors; the rest of the grid differs from these in its configs only (test_grid_... below)
+MINIATURE = ("swa-long", "swa-full-short", "swa-full-short-then-long-locality")
 
 
 @pytest.mark.slow
@@ -77,10 +77,10 @@ def test_cpu_miniature_runs_every_stage(tmp_path):
     # 4 steps from scratch leave a drafter on the plateau: the trainer says so (csbp.plateau_steps=4)
     assert "steps (csbp.plateau_steps=4): the drafter is still on the unigram plateau" in done.stderr
     # one budget: the same steps, context tokens and anchors per token; only the sequence length differs
-    cfgs = {k: yaml.safe_load((run / f"{k}.yaml").read_text()) for k in ("short", "swa-long")}
-    assert cfgs["short"]["data"]["max_length"] == scale.short_len
+    cfgs = {k: yaml.safe_load((run / f"{k}.yaml").read_text()) for k in ("swa-full-short", "swa-long")}
+    assert cfgs["swa-full-short"]["data"]["max_length"] == scale.short_len
     assert cfgs["swa-long"]["data"]["max_length"] == scale.long_len
-    t_s, t_l = cfgs["short"]["training"], cfgs["swa-long"]["training"]
+    t_s, t_l = cfgs["swa-full-short"]["training"], cfgs["swa-long"]["training"]
     assert t_s["batch_size"] * scale.short_len == t_l["batch_size"] * scale.long_len
     assert t_s["batch_size"] * t_s["num_anchors"] == t_l["batch_size"] * t_l["num_anchors"]
     assert t_s["num_epochs"] == t_l["num_epochs"]
@@ -95,7 +95,7 @@ def test_cpu_miniature_runs_every_stage(tmp_path):
         "locality")  # fmt: skip
     # the exports are the architectures SGLang loads
     types = {n: json.loads((run / f"drafter-{n}" / "config.json").read_text())["layer_types"] for n in MINIATURE}
-    assert types["short"] == ["full_attention"] * 2 and types["swa-long"] == ["sliding_attention"] * 2
+    assert types["swa-long"] == ["sliding_attention"] * 2
     assert types["swa-full-short"] == ["sliding_attention", "full_attention"]
     for name in MINIATURE:  # every one trained, and evaluated on both sets
         assert list((run / f"output-{name}").glob("*-latest")), name
@@ -120,6 +120,12 @@ def test_cpu_miniature_runs_every_stage(tmp_path):
     again = subprocess.run(cmd + ["--stage", "train", "--drafters", "swa-long"], env=env, capture_output=True,
                            text=True, timeout=120)  # fmt: skip
     assert again.returncode == 0 and "exists; skipped" in again.stdout
+    # eval of the whole grid: what is evaluated is skipped, what is not trained is named and skipped
+    every = subprocess.run(cmd + ["--stage", "eval", "--drafters", "all"], env=env, capture_output=True, text=True,
+                           timeout=120)  # fmt: skip
+    assert every.returncode == 0, every.stdout[-2000:] + every.stderr[-2000:]
+    assert f"eval: {run / 'eval-swa-long.json'} exists; skipped" in every.stdout
+    assert f"eval: {run / 'drafter-short'} not there (not trained, or not carried); skipped" in every.stdout
 
 
 def test_grid_names_architectures_and_warm_starts():
@@ -226,10 +232,12 @@ def test_carry_keeps_results_and_only_the_exports_still_needed(tmp_path):
     (tmp_path / "eval-short-local.json").write_text("{}")
     (tmp_path / "eval-long-local.json").write_text("{}")
     (tmp_path / "commands.json").write_text("{}")
+    (tmp_path / "probe.json").write_text("[]")
+    (tmp_path / "store-long").mkdir()  # never carried: capture writes it again
     kept = set(carry_paths(str(tmp_path)))
     # short: a source of short-then-long (not exported); long: evaluated on both sets, no one's source;
     # swa-short: its local set not evaluated yet
-    assert kept == {"commands.json", "eval-short.json", "eval-short-local.json", "eval-long.json",
+    assert kept == {"commands.json", "probe.json", "eval-short.json", "eval-short-local.json", "eval-long.json",
                     "eval-long-local.json", "eval-swa-short.json", "drafter-short", "drafter-swa-short"}
 
 

@@ -341,11 +341,13 @@ def _export(run: str, kind: str) -> None:
 
 def carry_paths(run: str) -> list[str]:
     """What a fresh machine needs to continue the study (relative to `run`; the target is carried apart):
-    every eval result, the commands, the target's accuracy, the log, and only the exports still needed - one
+    every eval result, the commands, the target's accuracy, the log, the probe's results, and only the exports
+    still needed - one
     not yet evaluated on every set, or the warm-start source of a drafter not yet exported. An export both
     evaluated and no longer a source is left behind (its eval results are all the report reads)."""
     pending = {d.warm_start for d in DRAFTERS if d.warm_start is not None and not _exported(run, d.name)}
-    keep = [n for n in ("accuracy.json", "commands.json", "study.log") if os.path.isfile(os.path.join(run, n))]
+    keep = [n for n in ("accuracy.json", "commands.json", "study.log", "probe.json")
+            if os.path.isfile(os.path.join(run, n))]  # fmt: skip
     for d in DRAFTERS:
         keep += [os.path.basename(eval_path(run, d.name, s)) for s in EVAL_SETS
                  if os.path.isfile(eval_path(run, d.name, s))]  # fmt: skip
@@ -361,6 +363,9 @@ def stage_eval(run: str, scale: Scale, seed: int) -> None:
     if not all(os.path.isfile(_prompts_path(run, s)) for s in EVAL_SETS):
         write_prompts(run, scale, seed)  # a fresh machine from carried state: the same prompts again
     for d in drafters(scale):
+        if not _exported(run, d.name):  # e.g. --drafters all after a call that trained some of them
+            _log(run, f"eval: {_export_dir(run, d.name)} not there (not trained, or not carried); skipped")
+            continue
         for eval_set in EVAL_SETS:
             out = eval_path(run, d.name, eval_set)
             if os.path.isfile(out):
