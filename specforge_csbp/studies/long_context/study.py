@@ -21,8 +21,8 @@ skips work whose output is already there (so a stage cut by a time limit is run 
 
 `drafters` (scripts/long_context_study.py --drafters a,b) picks the grid entries a call trains and evaluates
 (warm-start sources added); the report covers every drafter evaluated so far. A stage needs only the files
-named above: eval runs from the target and the exports (14 MB each at GPU scale), so a fresh machine continues the study
-without the stores, which capture writes again only while a chosen drafter is not exported.
+named above: eval runs from the target and the exports (14 MB each at GPU scale), so a fresh machine
+continues the study without the stores, which capture writes again only while a chosen drafter is not exported.
 
 Commands run as subprocesses of this interpreter and are logged (they are the records' `command`).
 """
