@@ -260,3 +260,13 @@ def test_long_context_recipes_resolve(context):
                       csbp=True)  # fmt: skip
     assert (run.strategy, run.world_size, run.cp_size, run.dp_replicas) == ("dflash2-csbp", 2, 2, 1)
     assert run.options.regather is False  # 1M fits without trading an all-gather for memory (docs/specforge.md)
+
+
+def test_long_context_stage1_recipe_resolves():
+    """Stage 1 of the long-context recipe: 8K tokens on one GPU, the same drafter config as its stage 2 files."""
+    folder = os.path.join(ROOT, "examples", "long_context")
+    run = prepare_run(os.path.join(folder, "qwen3.6-27b-dflash2-stage1-8k.yaml"), [], csbp=True)
+    assert (run.strategy, run.world_size, run.cp_size, run.dp_replicas) == ("dflash2-csbp", 1, 1, 1)
+    stage2 = prepare_run(os.path.join(folder, "qwen3.6-27b-dflash2-256k.yaml"), [], csbp=True)
+    assert run.config.model.draft_model_config == stage2.config.model.draft_model_config
+    assert run.config.data.max_length == 8192 < stage2.config.data.max_length
