@@ -8,6 +8,7 @@ import torch
 
 import specforge_csbp.data.store as store_mod
 from specforge_csbp.data import FeatureStore, FeatureStoreWriter, ShardedFeatureDataset, TargetInfo
+from specforge_csbp.data.checksums import tensor_spans
 from specforge_csbp.layout import ZigzagShards
 
 LAYERS, HIDDEN = [1, 3, 4], 8
@@ -66,52 +67,45 @@ def test_store_dtype_is_the_one_asked_for(tmp_path):
 
 
 class _Recorder:
-    """Wraps safetensors.safe_open: records every row range of `hidden_states` handed out, and whole reads."""
+    """Wraps the store's positioned reads: records every byte range read, as (offset, nbytes)."""
 
     def __init__(self, real):
         self.real, self.reads = real, []
 
-    def __call__(self, path, framework):
-        recorder, handle = self, self.real(path, framework=framework)
+    def __call__(self, fd, offset, out):
+        self.reads.append((os.readlink(f"/proc/self/fd/{fd}"), offset, out.numel()))
+        return self.real(fd, offset, out)
 
-        class Slice:
-            def __init__(self, name):
-                self.name, self.inner = name, handle.get_slice(name)
-
-            def get_shape(self):
-                return self.inner.get_shape()
-
-            def __getitem__(self, key):
-                lo, hi, _ = key.indices(self.get_shape()[0])
-                recorder.reads.append((os.path.basename(path), self.name, lo, hi))
-                return self.inner[key]
-
-        class Handle:
-            def __enter__(self):
-                handle.__enter__()
-                return self
-
-            def __exit__(self, *exc):
-                return handle.__exit__(*exc)
-
-            def get_slice(self, name):
-                return Slice(name)
-
-            def get_tensor(self, name):
-                recorder.reads.append((os.path.basename(path), name, "whole", None))
-                return handle.get_tensor(name)
-
-        return Handle()
+    def hidden_rows(self, path, start, end, row_bytes):
+        """The hidden-state row ranges read from `path` (pieces of one range merged), in order."""
+        ranges = sorted(((o - start) // row_bytes, (o - start + n) // row_bytes)
+                        for f, o, n in self.reads if f == path and start <= o < end)  # fmt: skip
+        merged = []
+        for lo, hi in ranges:
+            if merged and merged[-1][1] == lo:
+                merged[-1] = (merged[-1][0], hi)
+            else:
+                merged.append((lo, hi))
+        return merged
 
 
-def test_a_rank_reads_only_its_zigzag_intervals(tmp_path, monkeypatch):
-    """Every hidden-state read of a rank is exactly one of its zigzag intervals (clipped to the real
-    length); a whole-sequence read (get_tensor, [:] slice, load_file bypassing safe_open) fails this."""
+@pytest.mark.parametrize("chunk_rows", [3, 4])
+def test_a_rank_reads_only_its_zigzag_intervals(tmp_path, monkeypatch, chunk_rows):
+    """Every hidden-state read of a rank is one of its zigzag intervals (clipped to the real length), rounded
+    out to whole checksummed chunks, and every byte read is hashed; a whole-sequence read fails this."""
     samples = _samples()
-    store = FeatureStore(_write(str(tmp_path / "store"), samples))
-    files = {e.id: os.path.basename(e.file) for e in store.manifest.samples}
-    recorder = _Recorder(store_mod.safe_open)
-    monkeypatch.setattr(store_mod, "safe_open", recorder)
+    row_bytes = WIDTH * 8
+    root = _write(str(tmp_path / "store"), samples, chunk_bytes=chunk_rows * row_bytes)
+    store = FeatureStore(root, verify="lazy")
+    assert store.manifest.chunk_rows == chunk_rows
+    starts = {}
+    for e in store.manifest.samples:
+        path = os.path.realpath(os.path.join(root, e.file))
+        with open(path, "rb") as f:
+            span = tensor_spans(f, path)["hidden_states"]
+            starts[e.id] = (path, span.start, span.end)
+    recorder = _Recorder(store_mod.read_bytes)
+    monkeypatch.setattr(store_mod, "read_bytes", recorder)
     for world in (1, 2, 3, 4):
         for block in (4, 16):
             rebuilt = {
@@ -124,16 +118,26 @@ def test_a_rank_reads_only_its_zigzag_intervals(tmp_path, monkeypatch):
                 )
                 for i, (sid, ids, mask, _) in enumerate(samples):
                     recorder.reads.clear()
+                    before = (store.bytes_read, store.bytes_hashed)
                     item = ds[i]
                     n = len(ids)
                     zig = ZigzagShards(-(-n // block) * block, block, world)
-                    wanted = [(lo, min(hi, n)) for lo, hi in zig.rank_intervals(rank)]
-                    hidden_reads = [(lo, hi) for f, name, lo, hi in recorder.reads if name == "hidden_states"]
-                    assert hidden_reads == wanted, (world, block, rank, sid)
-                    assert all(f == files[sid] for f, *_ in recorder.reads)
-                    # the bytes handed out are the rank's share, not the sequence
-                    assert sum(hi - lo for lo, hi in hidden_reads) == sum(hi - lo for lo, hi in wanted)
-                    if world > 1 and n > block:
+                    wanted = [(lo, min(hi, n)) for lo, hi in zig.rank_intervals(rank) if min(hi, n) > lo]
+                    rounded = [(lo // chunk_rows * chunk_rows, min(-(-hi // chunk_rows) * chunk_rows, n))
+                               for lo, hi in wanted]  # fmt: skip
+                    path, start, end = starts[sid]
+                    assert all(f == path for f, _, _ in recorder.reads)  # only this sample's file
+                    hidden_reads = recorder.hidden_rows(path, start, end, row_bytes)
+                    merged = []  # touching rounded intervals are one read range in the recorder's merge
+                    for lo, hi in rounded:
+                        merged[-1:] = [(merged[-1][0], hi)] if merged and merged[-1][1] == lo else merged[-1:] + [(lo, hi)]
+                    assert hidden_reads == merged, (world, block, rank, sid)
+                    read = store.bytes_read - before[0]
+                    assert read == sum(n for _, _, n in recorder.reads)  # the counter counts what was read
+                    assert store.bytes_hashed - before[1] == read  # every byte read was hashed, nothing more
+                    # the rows read are the rank's share, plus at most a partial chunk at each end
+                    assert sum(hi - lo for lo, hi in rounded) <= sum(hi - lo for lo, hi in wanted) + 2 * (chunk_rows - 1) * len(wanted)
+                    if world > 1 and n > 2 * block:
                         assert sum(hi - lo for lo, hi in hidden_reads) < n
                     # tokens whole and padded; rows zero on padding
                     assert item.seq_len == zig.seq_len and item.intervals == zig.rank_intervals(rank)

@@ -331,7 +331,8 @@ def test_lazy_verification_names_a_flipped_byte_at_the_first_read_in_any_thread(
     t = threading.Thread(target=read)  # as the drafter's prefetch thread reads
     t.start()
     t.join()
-    assert errors == [f"corrupted store file {victim}: sha256 differs from the manifest"]
+    assert errors == [f"corrupted store file {victim}: hidden_states rows 0-5 (chunk 0) differ from the "
+                      f"manifest's {store.manifest.chunk_hash} checksum"]  # fmt: skip
     with pytest.raises(ValueError, match="sha256 differs"):
         FeatureStore(root, verify="full")
 
