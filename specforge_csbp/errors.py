@@ -37,6 +37,7 @@ __all__ = [
     "RunFault",
     "allocation_size",
     "format_validation_error",
+    "is_disk_full",
     "is_out_of_memory",
     "is_user_error",
     "load_config",
@@ -56,6 +57,10 @@ class RunFault(RuntimeError):
 
 
 _DISK_FULL = ("No space left on device", "StorageFull", "Disk quota exceeded")
+# a short write of a writer that does not pass the errno on (torch.save's zip writer: "[enforce fail at
+# inline_container.cc:...] . unexpected pos N vs M"); a full disk when the directory has next to no space left
+_SHORT_WRITE = ("unexpected pos", "PytorchStreamWriter failed writing file", "file write failed")
+_NEARLY_FULL_BYTES = 64 << 20
 # an accelerator allocation that failed (torch.OutOfMemoryError's wording, cuBLAS / cuDNN workspaces)
 _OUT_OF_MEMORY = ("CUDA out of memory", "out of device memory", "CUBLAS_STATUS_ALLOC_FAILED",
                   "CUDNN_STATUS_ALLOC_FAILED", "HIP out of memory")  # fmt: skip
@@ -64,6 +69,23 @@ _OUT_OF_MEMORY = ("CUDA out of memory", "out of device memory", "CUBLAS_STATUS_A
 def is_out_of_memory(err: BaseException) -> bool:
     """The device ran out of memory (torch.OutOfMemoryError, or an allocation failure inside a library)."""
     return type(err).__name__ == "OutOfMemoryError" or any(m in str(err) for m in _OUT_OF_MEMORY)
+
+
+def is_disk_full(err: BaseException, directory: str | os.PathLike | None = None) -> bool:
+    """`err` is a write that failed for lack of space: ENOSPC / EDQUOT, a library's wording of it, or a short
+    write (torch's zip writer) into `directory` while it has under 64 MiB free. Call it before a failed
+    write's partial file is removed (afterwards the space is back)."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(err)
+    if any(m in text for m in _DISK_FULL):
+        return True
+    if directory is None or not any(m in text for m in _SHORT_WRITE):
+        return False
+    try:
+        return os.statvfs(directory).f_bavail * os.statvfs(directory).f_frsize < _NEARLY_FULL_BYTES
+    except OSError:
+        return False
 
 
 def allocation_size(err: BaseException | str) -> str | None:

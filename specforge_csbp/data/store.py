@@ -42,7 +42,7 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import save_file
 
-from ..outputs import file_sha256, write_json_atomic
+from ..outputs import file_sha256, naming_full_disk, write_json_atomic
 from .checksums import CHUNK_BYTES, Span, chunk_hash_name, chunk_rows_for, file_digests, hasher, read_bytes, tensor_spans
 from .manifest import (
     FEATURE_DTYPES,
@@ -166,7 +166,8 @@ class FeatureStoreWriter:
         tmp = f"{path}.tmp-{os.getpid()}"
         entry = None
         try:
-            save_file(tensors, tmp, metadata={"sample_id": sample_id, "format": FORMAT})
+            with naming_full_disk(self.root):  # judged before the partial file is removed
+                save_file(tensors, tmp, metadata={"sample_id": sample_id, "format": FORMAT})
             other, chunks = None, None
             if self.manifest.chunk_hash is not None:  # a store resumed from before checksums stays sha256-only
                 other, chunks = file_digests(tmp, self.manifest.chunk_hash, self.manifest.chunk_rows,
