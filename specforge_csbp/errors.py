@@ -8,6 +8,8 @@ into the one line it prints with `one_line`:
     yaml / json / UTF-8 decode errors         `FILE:LINE:COL ...` (readers below add the file)
     safetensors errors                        `FILE: not a complete safetensors file (...)`
 
+`is_disk_full` says whether a failed write ran out of space (ENOSPC, a library's wording, torch.save's
+zip-writer short write into a nearly full directory); outputs.naming_full_disk turns it into one OSError.
 `is_user_error` says which exceptions are the user's (printed as one line, exit 2) and which are bugs
 (tracebacks); a `RunFault` (out of device memory, a non-finite loss) is the user's too: the recipe or the
 machine changes it, and its message names the ranks and what to change. The readers are what every entry point uses to read a user's text file: a missing file, a
