@@ -7,9 +7,9 @@ header, input_ids, loss_mask), so together they cover every byte of the file:
     file      | 8 + header | input_ids | loss_mask | hidden_states rows 0 .. L-1                         |
     digests   '-------- other_digest --------------' chunk 0 | chunk 1 | ... | chunk ceil(L/rows)-1 |
 
-A reader of rows [lo, hi) reads the whole chunks that cover them (at most one partial chunk at each end),
-hashes exactly the bytes it read and compares them with the manifest before returning a row: no pass over
-the whole file, nothing on the path but the bytes the step needs. The hash is xxHash's XXH3-64 (python
+A reader of rows [lo, hi) hashes the whole chunks that cover them (at most one partial chunk at each end)
+- the hash is what reads them from the mapped file - and compares them with the manifest before returning
+a row: no pass over the whole file, nothing on the path but the bytes the step needs. The hash is xxHash's XXH3-64 (python
 `xxhash`, about 23 GB/s on one CPU core, GIL released); where `xxhash` is not installed, a new store gets
 zlib's CRC-32 (standard library, about 4 GB/s) and says so in its manifest (`chunk_hash`). Both detect any
 flipped byte of a chunk; neither is a defence against a forger (the whole-file sha256 stays in the manifest
@@ -20,7 +20,7 @@ for that).
                                                when its library is missing)
     chunk_rows_for(row_bytes)                  rows per chunk for about CHUNK_BYTES per chunk
     tensor_spans(f, path)                      each tensor's byte range in an open sample file (header parse)
-    read_bytes(fd, offset, out)                os.preadv until `out` is full (a read's bytes land once, in `out`)
+    read_bytes(fd, offset, out)                os.preadv until `out` is full (tokens, header, the writer's digests)
     file_digests(path, name, rows, width, itemsize)   (other digest, chunk digests) of a written file
 """
 
@@ -140,7 +140,7 @@ def read_bytes(fd: int, offset: int, out: torch.Tensor) -> None:
 
 def file_digests(path: str, name: str, rows: int, width: int, itemsize: int) -> tuple[str, list[str]]:
     """(digest of every byte outside hidden_states, digest of each chunk of `rows` rows) of a sample file,
-    read through the same span parse and byte reads the store's reader uses."""
+    found through the same header parse the store's reader uses."""
     digest = hasher(name)
     row_bytes = width * itemsize
     with open(path, "rb") as f:

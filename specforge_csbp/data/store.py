@@ -16,9 +16,9 @@ Under CSBP a rank holds only its zigzag shard of the context, so it reads only t
     rank 0 reads hidden_states[chunk 0] and hidden_states[chunk 3] - two slices of a memory map,
     never the rows in between.
 
-`read_intervals` parses the file's safetensors header and reads only the requested rows (rounded out to
-whole checksummed chunks, which it verifies: checksums.py) with positioned reads, split over a few threads
-for a long range. Tokens and loss mask are small and read whole.
+`read_intervals` parses the file's safetensors header, maps the file (no copy) and returns the requested
+rows as views of the map, after reading and hashing the whole checksummed chunks that cover them
+(checksums.py; over a few threads for a long range). Tokens and loss mask are small and read whole.
 
 Writes are atomic (temporary file + rename) for sample files and the manifest alike. The manifest is
 written when the store is created, with `complete: false`, and marked complete only when the writer closes
@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 from pydantic import ValidationError
@@ -306,7 +306,7 @@ A store whose capture or import did not finish (`complete: false`) is refused.
 
     Corrupted or missing files raise a one-line ValueError naming the file. `bytes_read` / `bytes_hashed`
     count the sample-file bytes reads have read and hashed (equal under "lazy" on a checksummed store).
-    `read_threads`: threads one long read is split over (positioned reads and hashes release the GIL).
+    `read_threads`: threads the hashing of one long read is split over (the hashes release the GIL).
     """
 
     def __init__(self, root: str, verify: str = "full", *, read_threads: int = 4) -> None:
@@ -444,47 +444,57 @@ A store whose capture or import did not finish (`complete: false`) is refused.
         path = self._path(entry)
         with self._file(entry) as f:
             hidden = self._hidden_span(entry, tensor_spans(f, path), path)
-            parts = [self._rows(entry, f.fileno(), hidden, lo, hi) for lo, hi in intervals if hi > lo]
+            size = os.fstat(f.fileno()).st_size
+        # the file mapped privately (no copy: the page cache's pages, as safetensors maps them); a row is
+        # copied out only by whoever uses it (the prefetch worker's pinned copy to the GPU)
+        try:
+            data = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
+        except RuntimeError as err:
+            raise ValueError(f"corrupted or missing store file {path}: {err}".replace("\n", " ")) from None
+        parts = [self._rows(entry, data, hidden, lo, hi) for lo, hi in intervals if hi > lo]
         if not parts:
             return torch.zeros(0, self.feature_width, dtype=self.dtype)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _rows(self, entry: SampleEntry, fd: int, hidden: Span, lo: int, hi: int) -> torch.Tensor:
-        """Rows [lo, hi): the covering whole chunks are read (split over the read threads) and, unless
-        trusted, each chunk's bytes are hashed and compared before any row is returned."""
+    def _rows(self, entry: SampleEntry, data: torch.Tensor, hidden: Span, lo: int, hi: int) -> torch.Tensor:
+        """Rows [lo, hi) of the mapped file `data`: unless trusted, the whole chunks that cover them are read
+        and hashed (split over the read threads) and compared with the manifest before the rows are returned."""
         row_bytes = self.feature_width * self.dtype.itemsize
         rows = self.manifest.chunk_rows or chunk_rows_for(row_bytes)
         a, b = (lo // rows * rows, min(-(-hi // rows) * rows, entry.length)) if self._digest else (lo, hi)
-        buf = torch.empty((b - a) * row_bytes, dtype=torch.uint8)
-        first = a // rows  # the chunk buf starts with (verified reads start on a chunk boundary)
-        piece = rows * max(1, -(-(b - a) // (rows * self._threads)))  # rows per thread, whole chunks
+        region = data[hidden.start + a * row_bytes : hidden.start + b * row_bytes]
+        if self._digest is not None:
+            chunks = range(a // rows, -(-b // rows))
+            per_thread = max(1, -(-len(chunks) // self._threads))
+            groups = [chunks[g : g + per_thread] for g in range(0, len(chunks), per_thread)]
 
-        def fill(start: int) -> int:
-            stop = min(start + piece, b)
-            part = buf[(start - a) * row_bytes : (stop - a) * row_bytes]
-            read_bytes(fd, hidden.start + start * row_bytes, part)
-            if self._digest is None:
-                return 0
-            for c0 in range(start, stop, rows):
-                chunk = part[(c0 - start) * row_bytes : (min(c0 + rows, stop) - start) * row_bytes]
-                k = first + (c0 - a) // rows
-                if self._digest(memoryview(chunk.numpy())) != entry.chunk_digests[k]:
-                    raise ValueError(
-                        f"corrupted store file {self._path(entry)}: hidden_states rows {c0}-{min(c0 + rows, stop) - 1} "
-                        f"(chunk {k}) differ from the manifest's {self.manifest.chunk_hash} checksum"
-                    )
-            return part.numel()
+            def check(group: range) -> None:
+                for k in group:
+                    self._check_chunk(entry, k, region[(k * rows - a) * row_bytes : (min(k * rows + rows, b) - a) * row_bytes])
 
-        starts = range(a, b, piece)
-        hashed = sum(self._map(fill, starts)) if len(starts) > 1 else fill(a)
-        self._count(buf.numel(), hashed)
-        return buf.view(self.dtype).view(b - a, self.feature_width)[lo - a : hi - a]
+            self._map(check, groups) if len(groups) > 1 else check(groups[0])
+        self._count(region.numel(), region.numel() if self._digest else 0)
+        return region.view(self.dtype).view(b - a, self.feature_width)[lo - a : hi - a]
+
+    def _check_chunk(self, entry: SampleEntry, k: int, chunk: torch.Tensor) -> None:
+        """Chunk k's bytes against the manifest (a read of the mapped pages: the hash is what reads them)."""
+        if self._digest(memoryview(chunk.numpy())) != entry.chunk_digests[k]:
+            rows = self.manifest.chunk_rows
+            raise ValueError(
+                f"corrupted store file {self._path(entry)}: hidden_states rows {k * rows}-"
+                f"{min(k * rows + rows, entry.length) - 1} (chunk {k}) differ from the manifest's "
+                f"{self.manifest.chunk_hash} checksum"
+            )
 
     def _map(self, fn, items) -> list:
+        """fn over items on the read threads; every call has finished before this returns or raises (a
+        failed chunk must not leave another thread reading the mapped file)."""
         with self._pool_lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="store-read")
-        return list(self._pool.map(fn, items))
+        futures = [self._pool.submit(fn, item) for item in items]
+        wait(futures)
+        return [f.result() for f in futures]  # the first failure, in order, is raised here
 
     def _count(self, read: int, hashed: int) -> None:
         with self._count_lock:

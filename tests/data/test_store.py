@@ -8,7 +8,6 @@ import torch
 
 import specforge_csbp.data.store as store_mod
 from specforge_csbp.data import FeatureStore, FeatureStoreWriter, ShardedFeatureDataset, TargetInfo
-from specforge_csbp.data.checksums import tensor_spans
 from specforge_csbp.layout import ZigzagShards
 
 LAYERS, HIDDEN = [1, 3, 4], 8
@@ -66,29 +65,6 @@ def test_store_dtype_is_the_one_asked_for(tmp_path):
     assert rows.dtype == torch.bfloat16 and torch.equal(rows, samples[1][3].to(torch.bfloat16))
 
 
-class _Recorder:
-    """Wraps the store's positioned reads: records every byte range read, as (offset, nbytes)."""
-
-    def __init__(self, real):
-        self.real, self.reads = real, []
-
-    def __call__(self, fd, offset, out):
-        self.reads.append((os.readlink(f"/proc/self/fd/{fd}"), offset, out.numel()))
-        return self.real(fd, offset, out)
-
-    def hidden_rows(self, path, start, end, row_bytes):
-        """The hidden-state row ranges read from `path` (pieces of one range merged), in order."""
-        ranges = sorted(((o - start) // row_bytes, (o - start + n) // row_bytes)
-                        for f, o, n in self.reads if f == path and start <= o < end)  # fmt: skip
-        merged = []
-        for lo, hi in ranges:
-            if merged and merged[-1][1] == lo:
-                merged[-1] = (merged[-1][0], hi)
-            else:
-                merged.append((lo, hi))
-        return merged
-
-
 @pytest.mark.parametrize("chunk_rows", [3, 4])
 def test_a_rank_reads_only_its_zigzag_intervals(tmp_path, monkeypatch, chunk_rows):
     """Every hidden-state read of a rank is one of its zigzag intervals (clipped to the real length), rounded
@@ -98,14 +74,14 @@ def test_a_rank_reads_only_its_zigzag_intervals(tmp_path, monkeypatch, chunk_row
     root = _write(str(tmp_path / "store"), samples, chunk_bytes=chunk_rows * row_bytes)
     store = FeatureStore(root, verify="lazy")
     assert store.manifest.chunk_rows == chunk_rows
-    starts = {}
-    for e in store.manifest.samples:
-        path = os.path.realpath(os.path.join(root, e.file))
-        with open(path, "rb") as f:
-            span = tensor_spans(f, path)["hidden_states"]
-            starts[e.id] = (path, span.start, span.end)
-    recorder = _Recorder(store_mod.read_bytes)
-    monkeypatch.setattr(store_mod, "read_bytes", recorder)
+    checked = []
+    real_check = store_mod.FeatureStore._check_chunk
+
+    def check(self, entry, k, chunk):
+        checked.append((entry.id, k))
+        return real_check(self, entry, k, chunk)
+
+    monkeypatch.setattr(store_mod.FeatureStore, "_check_chunk", check)
     for world in (1, 2, 3, 4):
         for block in (4, 16):
             rebuilt = {
@@ -117,7 +93,10 @@ def test_a_rank_reads_only_its_zigzag_intervals(tmp_path, monkeypatch, chunk_row
                     store, rank=rank, world_size=world, block_size=block, pad_token_id=7
                 )
                 for i, (sid, ids, mask, _) in enumerate(samples):
-                    recorder.reads.clear()
+                    checked.clear()
+                    start = store.bytes_read
+                    store.read_tokens(sid)
+                    tokens = store.bytes_read - start  # header + tokens + mask, which ds[i] reads too
                     before = (store.bytes_read, store.bytes_hashed)
                     item = ds[i]
                     n = len(ids)
@@ -125,20 +104,15 @@ def test_a_rank_reads_only_its_zigzag_intervals(tmp_path, monkeypatch, chunk_row
                     wanted = [(lo, min(hi, n)) for lo, hi in zig.rank_intervals(rank) if min(hi, n) > lo]
                     rounded = [(lo // chunk_rows * chunk_rows, min(-(-hi // chunk_rows) * chunk_rows, n))
                                for lo, hi in wanted]  # fmt: skip
-                    path, start, end = starts[sid]
-                    assert all(f == path for f, _, _ in recorder.reads)  # only this sample's file
-                    hidden_reads = recorder.hidden_rows(path, start, end, row_bytes)
-                    merged = []  # touching rounded intervals are one read range in the recorder's merge
-                    for lo, hi in rounded:
-                        merged[-1:] = [(merged[-1][0], hi)] if merged and merged[-1][1] == lo else merged[-1:] + [(lo, hi)]
-                    assert hidden_reads == merged, (world, block, rank, sid)
-                    read = store.bytes_read - before[0]
-                    assert read == sum(n for _, _, n in recorder.reads)  # the counter counts what was read
-                    assert store.bytes_hashed - before[1] == read  # every byte read was hashed, nothing more
+                    chunks = sorted(k for lo, hi in wanted for k in range(lo // chunk_rows, -(-hi // chunk_rows)))
+                    assert sorted(k for s_, k in checked) == chunks and {s_ for s_, _ in checked} <= {sid}
+                    read = store.bytes_read - before[0] - tokens
+                    assert read == sum(hi - lo for lo, hi in rounded) * row_bytes, (world, block, rank, sid)
+                    assert store.bytes_hashed - before[1] == store.bytes_read - before[0]  # every byte read, hashed
                     # the rows read are the rank's share, plus at most a partial chunk at each end
                     assert sum(hi - lo for lo, hi in rounded) <= sum(hi - lo for lo, hi in wanted) + 2 * (chunk_rows - 1) * len(wanted)
                     if world > 1 and n > 2 * block:
-                        assert sum(hi - lo for lo, hi in hidden_reads) < n
+                        assert len(set(chunks)) * chunk_rows < n
                     # tokens whole and padded; rows zero on padding
                     assert item.seq_len == zig.seq_len and item.intervals == zig.rank_intervals(rank)
                     assert torch.equal(item.positions, zig.rank_positions(rank))
