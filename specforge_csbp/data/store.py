@@ -349,6 +349,12 @@ A store whose capture or import did not finish (`complete: false`) is refused.
         self._threads, self._pool, self._pool_lock = max(1, int(read_threads)), None, threading.Lock()
         for entry in self.manifest.samples:
             self._check_file(entry, full=verify == "full")
+            if chunked and len(entry.chunk_digests) != -(-entry.length // self.manifest.chunk_rows):
+                raise ValueError(
+                    f"store: {path}: sample {entry.id!r} has {len(entry.chunk_digests)} chunk checksums, its "
+                    f"{entry.length} rows in chunks of {self.manifest.chunk_rows} need "
+                    f"{-(-entry.length // self.manifest.chunk_rows)}"
+                )
 
     # -- metadata ------------------------------------------------------------------------------------------
     @property

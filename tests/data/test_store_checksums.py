@@ -148,3 +148,13 @@ def test_the_hash_follows_what_is_installed(tmp_path, monkeypatch):
     _flip(victim, _hidden_start(victim) + 7 * WIDTH * 2)
     with pytest.raises(ValueError, match="rows 5-9 \\(chunk 1\\) differ from the manifest's xxh3_64 checksum"):
         store.read_intervals("s0", [(6, 8)])
+
+
+def test_a_manifest_with_the_wrong_number_of_chunk_checksums_is_one_line(tmp_path):
+    root, _ = _write(str(tmp_path / "store"))
+    path = os.path.join(root, "manifest.json")
+    manifest = json.load(open(path))
+    manifest["samples"][1]["chunk_digests"].pop()
+    open(path, "w").write(json.dumps(manifest))
+    with pytest.raises(ValueError, match="sample 's1' has 9 chunk checksums, its 48 rows in chunks of 5 need 10"):
+        FeatureStore(root, verify="trust")
