@@ -591,6 +591,8 @@ def main(argv=None) -> int:
             raise SystemExit(f"--reuse-data: {work} holds no data of this shape ({stamp_path}: {old}, this run: {stamp})")
         if "specforge" in modes and not os.path.isdir(records):
             raise SystemExit(f"--reuse-data --modes specforge: {records} is gone (keep it with --keep-data)")
+        if not os.path.isdir(records) and not os.path.exists(os.path.join(store, "manifest.json")):
+            raise SystemExit(f"--reuse-data: neither {store} nor {records} is left (keep them with --keep-store)")
         target = target_dir
     else:
         generator = torch.Generator(device=device).manual_seed(args.seed)

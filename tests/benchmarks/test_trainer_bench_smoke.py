@@ -144,6 +144,9 @@ def test_both_trainers_on_identical_bytes(tmp_path):
     assert last["workload"] == "trainer-quickstart_drafter-as-dflash-warm-cache"
     assert last["page_cache"] == "warm" and last["first_pass_steps"] == [2, 3] and "later_pass_step_ms" not in last
     assert not (work / "store").exists() and not (work / "records").exists()  # no --keep-*: the data went
+    with pytest.raises(SystemExit, match="--reuse-data: neither .* is left"):
+        trainer_bench.main(["--draft-config", DRAFTER, "--no-dflash2", "--modes", "csbp", "--context", "256",
+                            "--samples", "3", "--work", str(work), "--out", str(out), "--reuse-data"])  # fmt: skip
     with pytest.raises(SystemExit, match="--reuse-data"):
         trainer_bench.main(["--draft-config", DRAFTER, "--modes", "csbp", "--context", "512", "--samples", "3",
                             "--work", str(work), "--out", str(out), "--reuse-data"])  # fmt: skip
