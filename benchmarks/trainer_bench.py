@@ -1,30 +1,48 @@
 #!/usr/bin/env python
 """Trainer-level benchmark: stock `specforge train` (strategy dflash) against `specforge train --csbp`
-(dflash-csbp, cp_size 1) on one GPU, on identical bytes, with the same drafter, anchors and block size.
+(dflash-csbp, cp_size 1) on one GPU, on identical bytes, with the same drafter, anchors and block size,
+over ONE pass of 8 distinct samples by default - the pass users train in, where every step reads its
+sample for the first time.
 
-    python3 benchmarks/trainer_bench.py --draft-config drafter_configs/qwen3.6-27b-dflash2.json --no-dflash2 \\
-        --context 64K --samples 4 --steps 12 --work /tmp/trainer --out $OUT/trainer.jsonl --trace-dir $OUT
+    python3 benchmarks/trainer_bench.py --draft-config drafter_configs/qwen3.6-27b-dflash.json \
+        --context 64K --samples 8 --passes 2 --work /tmp/trainer --out $OUT/trainer.jsonl
 
     WORK/draft.json            the drafter both trainers train (--no-dflash2: the config without conv/selector)
     WORK/target/               head-only random target (config, embeddings, LM head: benchmarks/plugin_setup.py)
     WORK/records/rows_0-2000/  SpecForge 0.2.0 offline DFlash records, data_{i}.ckpt (random features)
     WORK/store/                the same records imported with the project's import-specforge (the user's path)
-    WORK/{specforge,csbp}/     each trainer's run.yaml, log.txt, peak.json; output/ (checkpoint) deleted after
-                               each run (the trace is copied out first)
+    WORK/data.json             what the data is (context, samples, seed, target shape): --reuse-data checks it
+    WORK/{specforge,csbp,csbp-trust}/  each run's run.yaml, log.txt, peak.json; output/ (checkpoint) deleted
+                               after each run (the trace is copied out first)
 
-    order   records -> stock `specforge train` -> import -> delete records -> `specforge train --csbp`
-            (disk: at most the records + the store, during the import; --keep-data keeps both)
+    order   records -> stock `specforge train` -> import (each record deleted once stored, unless
+            --keep-data) -> `specforge train --csbp` once per --store-verify value
+            (disk: one copy of the data at a time, plus the target; --keep-data keeps both copies,
+            --keep-store the target and the store for a later --reuse-data launch)
+
+Steps. Step 1 (--warmup, default 1) compiles (torch.compile, FlexAttention and cuBLAS kernels for the first
+shapes) and is in no median (`left_out_steps`, `left_out_reason`). `first_pass_step_ms` / `first_pass_p90_ms`:
+median and p90 of the other steps of the first pass; `later_pass_step_ms`: the median of the later passes
+(--passes > 1), leaving out each epoch's first step (the data loader restarts, the plugin's look-ahead has no
+previous batch: `epoch_first_step_ms`) and the --profile-steps profiled ones at the end; `first_vs_later` is
+their ratio. `step_ms` is the first-pass median (the later passes' when the first pass has no timed step).
+
+The data. Before each trainer run its data files are evicted from the page cache (--cache cold: fsync +
+posix_fadvise DONTNEED, plus /proc/sys/vm/drop_caches as root; `cache_prepared_by` says which ran) or read
+once (--cache warm). `data_bytes_per_step`: the data file bytes one step reads (one sample's file per
+sample: one rank reads every row); `read_gbps_needed`: that over the first-pass step; `disk_read_gbps`: one
+cold sequential read of a sample file in the same launch; `read_bound`: cold, and the step needs more than
+the disk gives. --store-verify lazy,trust runs the plugin with the store's per-chunk checks on and off in the
+same launch (`store_verify`; the check-off record's workload ends in -store-trust, a warm-cache one's in -warm-cache).
 
 What is measured is what the trainers log themselves: both run SpecForge's TrainerController, which prints
 `step N: {...}` per optimizer step (training.log_interval 1) with perf/optimizer_step_time_s (wall time of
 the step's window: data, compute, logging, acks), perf/data_wait_time_s and perf/train_compute_time_s
-(forward + backward + optimizer step). `step_ms` is the median over the steps after --warmup, excluding
-the --profile-steps profiled ones at the end and the first step of each epoch (`epoch_first_step_ms`: the
-data loader restarts, the plugin's look-ahead has no previous batch). Each trainer's final checkpoint is
-skipped (after the last step; --checkpoint keeps it). Neither trainer logs memory: a child wrapper around each
-trainer's own entry point writes torch.cuda.max_memory_allocated() (CPU: peak RSS) when it exits.
+(forward + backward + optimizer step). Each trainer's final checkpoint is skipped (after the last step;
+--checkpoint keeps it). Neither trainer logs memory: a child wrapper around each trainer's own entry point
+writes torch.cuda.max_memory_allocated() (CPU: peak RSS) when it exits.
 
-Each trainer's step broken down (record field `breakdown_ms`, per optimizer step):
+Each trainer's step broken down (record field `breakdown_ms`, per optimizer step; needs --profile-steps):
 
     data            perf/data_wait_time_s           (SpecForge's timer around next(batch))
     forward+backward perf/train_compute_time_s - optimizer
@@ -39,10 +57,11 @@ The profile is SpecForge's own window (`profiling.enabled`, its StepProfiler), o
 --profile-steps steps of each run; its chrome trace is copied to --trace-dir when it is at most 16 MiB.
 `gpu_kernels_ms`: the profiled steps' kernel time per step (the GPU's busy share of the step).
 
-Records (design.md section 8): workload "trainer-<config name>", modes "specforge" and "csbp", world_size 1,
-`tokens_per_s` = supervised tokens (anchors x (block size - 1)) per second; extras: data_wait_ms,
-train_compute_ms, steps_ms (every step), timed_steps, peak_reserved_gib, breakdown_ms, host_syncs_per_step,
-item_calls_per_step, gpu_kernels_ms.
+Records (design.md section 8): workload "trainer-<config file name>" (a DFlash2 file trained with
+--no-dflash2: "-as-dflash" added; `trained_config` names it), modes "specforge" and "csbp", world_size 1,
+`tokens_per_s` = supervised tokens (anchors x (block size - 1)) per second; extras: the fields above,
+data_wait_ms, train_compute_ms, steps_ms (every step), timed_steps, peak_reserved_gib, breakdown_ms,
+host_syncs_per_step, item_calls_per_step, gpu_kernels_ms.
 """
 
 from __future__ import annotations
@@ -66,6 +85,9 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 MODES = ("specforge", "csbp")
+STORE_VERIFY = ("lazy", "trust")
+#: why the first --warmup steps are in no median (recorded as `left_out_reason`)
+LEFT_OUT_REASON = "compile steps: torch.compile, FlexAttention and cuBLAS build their kernels for the first shapes"
 TRACE_LIMIT_BYTES = 16 << 20  # the GPU machine brings back files up to 16 MiB
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 NO_CHECKPOINT_ENV = "TRAINER_BENCH_NO_CHECKPOINT"
@@ -78,18 +100,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-dflash2", action="store_true",
                    help="train the config as DFlash v1 (no conv, no selector): stock SpecForge 0.2.0 trains v1 only")  # fmt: skip
     p.add_argument("--context", default="64K", help="tokens per sample (64K, 128K, ...)")
-    p.add_argument("--samples", type=int, default=4, help="samples in the data (epochs repeat them)")
-    p.add_argument("--steps", type=int, default=12, help="optimizer steps per trainer (--batch-size samples each)")
+    p.add_argument("--samples", type=int, default=8, help="distinct samples in the data (one pass reads each once)")
+    p.add_argument("--passes", type=int, default=1,
+                   help="passes over the samples (1: the first pass, as users train; more: later-pass steps beside it)")  # fmt: skip
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps per trainer (default --passes x samples / --batch-size)")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=1,
                    help="samples per optimizer step (training.batch_size; --samples must hold at least one batch)")  # fmt: skip
-    p.add_argument("--warmup", type=int, default=4, help="steps left out of the median (compiles, first shapes)")
-    p.add_argument("--profile-steps", type=int, default=2, help="last steps of each run profiled (0: none)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="first steps left out of every median: they compile (torch.compile, FlexAttention kernels)")  # fmt: skip
+    p.add_argument("--profile-steps", type=int, default=0, help="last steps of each run profiled (0: none)")
+    p.add_argument("--cache", choices=("cold", "warm"), default="cold",
+                   help="page cache before each trainer run: cold evicts its data files (posix_fadvise, + drop_caches "
+                        "as root), warm reads them once")  # fmt: skip
+    p.add_argument("--fadvise-only", action="store_true",
+                   help="--cache cold without /proc/sys/vm/drop_caches (which drops every file's pages on the machine)")  # fmt: skip
+    p.add_argument("--store-verify", default="lazy",
+                   help="comma list of lazy, trust: one csbp run each (csbp.store_verify: the store's checks on / off)")  # fmt: skip
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--modes", default="specforge,csbp", help="comma list of specforge, csbp")
     p.add_argument("--work", required=True, help="scratch directory (records, store, run outputs)")
     p.add_argument("--out", required=True, help="records file (JSON lines)")
     p.add_argument("--trace-dir", default=None, help="copy each run's profile (chrome trace, <= 16 MiB) here")
     p.add_argument("--keep-data", action="store_true", help="keep the records and the store (checkpoints never)")
+    p.add_argument("--keep-store", action="store_true", help="keep the target and the store (the records go)")
+    p.add_argument("--reuse-data", action="store_true",
+                   help="train on WORK's target and store (and records, if kept) from an earlier launch with the same "
+                        "--context, --samples, --seed and target shape, instead of writing them")  # fmt: skip
     p.add_argument("--checkpoint", action="store_true", help="let each trainer save its final checkpoint")
     p.add_argument("--timeout", type=int, default=540, help="seconds per trainer run")
     p.add_argument("--seed", type=int, default=0)
@@ -100,14 +137,21 @@ def parse_args(argv=None) -> argparse.Namespace:
         bad = sorted(set(args.modes.split(",")) - set(MODES))
         if bad:
             p.error(f"--modes: unknown {', '.join(bad)}; allowed: {', '.join(MODES)}")
-        for name in ("samples", "steps", "anchors", "batch_size"):
+        verify = args.store_verify.split(",")
+        if not verify or set(verify) - set(STORE_VERIFY):
+            p.error(f"--store-verify: {args.store_verify!r}; allowed: a comma list of {', '.join(STORE_VERIFY)}")
+        for name in ("samples", "passes", "anchors", "batch_size"):
             if getattr(args, name) < 1:
                 p.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
         if args.samples < args.batch_size:
             p.error(f"--samples {args.samples} holds no batch of --batch-size {args.batch_size}")
+        if args.steps is None:
+            args.steps = args.passes * batches_per_epoch(args)
+        if args.steps < 1:
+            p.error(f"--steps must be >= 1; got {args.steps}")
         if args.warmup < 0 or args.profile_steps < 0:
             p.error("--warmup and --profile-steps must be >= 0")
-        if args.steps - args.warmup - args.profile_steps < 1:
+        if not timed_steps(args):
             p.error(f"--steps {args.steps} leaves no timed step after --warmup {args.warmup} and "
                     f"--profile-steps {args.profile_steps}")  # fmt: skip
     return args
@@ -181,8 +225,10 @@ def write_records(config, root: str, length: int, samples: int, generator, devic
     return paths
 
 
-def import_store(config, records: str, store: str, target: str) -> None:
-    """The records imported as a user does (`specforge-csbp import-specforge`'s library call)."""
+def import_store(config, records: str, store: str, target: str, *, delete_records: bool = False) -> None:
+    """The records imported as a user does (`specforge-csbp import-specforge`'s library call);
+    `delete_records`: each record goes once its sample is stored (one copy of the data on disk at a time:
+    8 samples of 64K for the 27B shape are 27 GB each way)."""
     from transformers import AutoConfig
 
     from specforge_csbp.data.manifest import TargetInfo, config_hash
@@ -192,7 +238,8 @@ def import_store(config, records: str, store: str, target: str) -> None:
     info = TargetInfo(name=os.path.abspath(target), config_sha256=config_hash(tcfg),
                       num_hidden_layers=int(tcfg.num_hidden_layers))  # fmt: skip
     import_specforge_records(records, store, target_layer_ids=list(config.dflash["target_layer_ids"]),
-                             hidden_size=int(config.hidden_size), target=info, overwrite=True)  # fmt: skip
+                             hidden_size=int(config.hidden_size), target=info, overwrite=True,
+                             after_each=os.remove if delete_records else None)  # fmt: skip
 
 
 def feature_dtype(device):
@@ -227,22 +274,24 @@ def run_config(args, mode: str, work: str, draft: str, data: str, length: int, o
     return run
 
 
-def launch(args, mode: str, run: dict, work: str) -> tuple[str, dict, int]:
+def launch(args, mode: str, run: dict, work: str, verify: str = "lazy") -> tuple[str, dict, int]:
     """(stdout + stderr, peak memory, return code) of one trainer in a child process."""
     import yaml
 
-    folder = os.path.join(work, mode)
+    folder = os.path.join(work, run_name(mode, verify))
     os.makedirs(folder, exist_ok=True)
     cfg_path, peak_path = os.path.join(folder, "run.yaml"), os.path.join(folder, "peak.json")
     with open(cfg_path, "w") as f:
         yaml.safe_dump(run, f)
-    trainer = ["train", "-c", cfg_path] + (["--csbp", "csbp.cp_size=1"] if mode == "csbp" else [])
+    trainer = ["train", "-c", cfg_path]
+    if mode == "csbp":
+        trainer += ["--csbp", "csbp.cp_size=1", f"csbp.store_verify={verify}"]
     cmd = [sys.executable, os.path.abspath(__file__), "--draft-config", args.draft_config, "--work", work,
            "--out", args.out, "--child", peak_path, "--", *trainer]  # fmt: skip
     env = dict(os.environ, SPECFORGE_CSBP_DISABLE="1", **({NO_CHECKPOINT_ENV: "1"} if not args.checkpoint else {}),
                PYTHONPATH=os.pathsep.join(
         [os.path.abspath(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))  # fmt: skip
-    print(f"== {mode}: {shlex.join(['specforge', *trainer])}", flush=True)
+    print(f"== {run_name(mode, verify)}: {shlex.join(['specforge', *trainer])}", flush=True)
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, check=False)
         log, rc = done.stdout + done.stderr, done.returncode
@@ -256,6 +305,11 @@ def launch(args, mode: str, run: dict, work: str) -> tuple[str, dict, int]:
         with open(peak_path) as f:
             peak = json.load(f)
     return log, peak, rc
+
+
+def run_name(mode: str, verify: str = "lazy") -> str:
+    """The run's folder under WORK: csbp, csbp-trust (the store's checks off), specforge."""
+    return f"{mode}-trust" if mode == "csbp" and verify == "trust" else mode
 
 
 def step_metrics(log: str) -> dict[int, dict[str, float]]:
@@ -274,17 +328,35 @@ def batches_per_epoch(args) -> int:
     return args.samples // args.batch_size
 
 
-def timed_steps(args) -> list[int]:
-    """Steps in the median (1-based, as SpecForge counts): after the warm-up, before the profiled ones, and
-    not the first of an epoch (a new epoch restarts the data loader, and the plugin's look-ahead starts
-    with the epoch's second batch: plugin/lookahead.py) unless every step is one."""
-    steps = list(range(args.warmup + 1, args.steps - args.profile_steps + 1))
+def first_pass_steps(args) -> list[int]:
+    """Steps (1-based, as SpecForge counts) of the first pass over the samples, each reading its samples
+    for the first time: all but the --warmup compile steps and any profiled step."""
+    last = min(batches_per_epoch(args), args.steps - args.profile_steps)
+    return list(range(args.warmup + 1, last + 1))
+
+
+def later_pass_steps(args) -> list[int]:
+    """Steps of the later passes: after the first pass and the warm-up, before the profiled ones, and not
+    the first of an epoch (a new epoch restarts the data loader, and the plugin's look-ahead starts with the
+    epoch's second batch: plugin/lookahead.py) unless every step is one."""
+    steps = list(range(max(batches_per_epoch(args), args.warmup) + 1, args.steps - args.profile_steps + 1))
     inner = [s for s in steps if (s - 1) % batches_per_epoch(args)]
     return inner or steps
 
 
+def timed_steps(args) -> list[int]:
+    """The steps `step_ms` is the median of: the first pass when it has a timed step, else the later ones."""
+    return first_pass_steps(args) or later_pass_steps(args)
+
+
 def epoch_first_steps(args) -> list[int]:
-    return [s for s in range(args.warmup + 1, args.steps - args.profile_steps + 1) if not (s - 1) % batches_per_epoch(args)]
+    bpe = batches_per_epoch(args)
+    return [s for s in range(max(bpe, args.warmup) + 1, args.steps - args.profile_steps + 1) if not (s - 1) % bpe]
+
+
+def p90(values: list[float]) -> float:
+    """The 90th percentile (linear between order statistics; the value itself for one)."""
+    return statistics.quantiles(values, n=10, method="inclusive")[-1] if len(values) > 1 else values[0]
 
 
 def _metric(m: dict, name: str) -> float | None:
@@ -370,22 +442,47 @@ def newest_trace(output_dir: str) -> str | None:
 
 
 # -- records -----------------------------------------------------------------------------------------------
-def make_record(args, mode, length, block_size, log, peak, rc, device_name, name, trace) -> dict:
+def _step_s(metrics: dict, steps: list[int]) -> list[float]:
+    got = [_metric(metrics[s], "perf/optimizer_step_time_s") for s in steps if s in metrics]
+    return [x for x in got if x is not None]
+
+
+def data_fields(args, data_bytes_per_step: int, disk_gbps: float | None, step_ms: float | None) -> dict:
+    """What the data costs a step: the bytes it reads, the rate that needs, the disk's rate, bound or not."""
+    needed = data_bytes_per_step / (step_ms / 1e3) / 1e9 if step_ms else None
+    return dict(
+        data_bytes_per_step=data_bytes_per_step, read_gbps_needed=float(f"{needed:.4g}") if needed else None,
+        disk_read_gbps=float(f"{disk_gbps:.4g}") if disk_gbps else None,
+        # cold: every first-pass byte comes from the disk, so a step cannot be faster than its bytes' read
+        read_bound=bool(args.cache == "cold" and needed and disk_gbps and needed > disk_gbps),
+    )  # fmt: skip
+
+
+def make_record(args, mode, length, block_size, log, peak, rc, device_name, name, trace, *, verify="lazy",
+                cache=None, data_bytes_per_step=0, disk_gbps=None) -> dict:  # fmt: skip
     from specforge_csbp.bench.provenance import library_digest
 
     metrics = step_metrics(log)
-    want = timed_steps(args)
-    step_s = [_metric(metrics[s], "perf/optimizer_step_time_s") for s in want if s in metrics]
-    step_s = [x for x in step_s if x is not None]
-    firsts = [_metric(metrics[s], "perf/optimizer_step_time_s") for s in epoch_first_steps(args) if s in metrics]
+    want, first, later = timed_steps(args), first_pass_steps(args), later_pass_steps(args)
+    step_s, first_s, later_s = _step_s(metrics, want), _step_s(metrics, first), _step_s(metrics, later)
+    firsts = _step_s(metrics, epoch_first_steps(args))
+    ms = lambda xs: round(statistics.median(xs) * 1e3, 2) if xs else None  # noqa: E731
+    workload = f"trainer-{name}" + (f"-batch{args.batch_size}" if args.batch_size > 1 else "")
+    workload += ("-warm-cache" if args.cache == "warm" else "") + ("-store-trust" if verify == "trust" else "")
     record = dict(
-        workload=f"trainer-{name}" + (f"-batch{args.batch_size}" if args.batch_size > 1 else ""), mode=mode, world_size=1, context_len=length, block_size=block_size,
+        workload=workload, mode=mode, world_size=1, context_len=length, block_size=block_size,
         device=device_name, date=datetime.date.today().isoformat(), code=library_digest(),
         command=shlex.join(["python", os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
-        anchors=args.anchors, dflash2=not args.no_dflash2, samples=args.samples, steps=args.steps,
-        batch_size=args.batch_size,
-        warmup=args.warmup, timed_steps=len(step_s),
-        epoch_first_step_ms=round(statistics.median(firsts) * 1e3, 2) if firsts and firsts != step_s else None,
+        trained_config=name, anchors=args.anchors, dflash2=not args.no_dflash2, samples=args.samples,
+        steps=args.steps, passes=args.passes, batch_size=args.batch_size, warmup=args.warmup,
+        timed_steps=len(step_s), step_ms_of="first pass" if first else "later passes",
+        first_pass_step_ms=ms(first_s), first_pass_p90_ms=round(p90(first_s) * 1e3, 2) if first_s else None,
+        first_pass_steps=first, later_pass_step_ms=ms(later_s), later_pass_steps=later,
+        first_vs_later=round(statistics.median(first_s) / statistics.median(later_s), 4) if first_s and later_s else None,
+        left_out_steps=list(range(1, args.warmup + 1)), left_out_reason=LEFT_OUT_REASON,
+        profiled_steps=list(range(args.steps - args.profile_steps + 1, args.steps + 1)),
+        page_cache=args.cache, cache_prepared_by=cache, store_verify=verify if mode == "csbp" else None,
+        epoch_first_step_ms=ms(firsts),
         steps_ms=[round(float(_metric(metrics[s], "perf/optimizer_step_time_s") or 0) * 1e3, 2) for s in sorted(metrics)],
         status="ok",
     )  # fmt: skip
@@ -401,6 +498,7 @@ def make_record(args, mode, length, block_size, log, peak, rc, device_name, name
     step_ms = statistics.median(step_s) * 1e3
     data_ms, compute_ms = med("perf/data_wait_time_s") * 1e3, med("perf/train_compute_time_s") * 1e3
     ack_ms = med("perf/durable_ack_time_s") * 1e3
+    record.update(data_fields(args, data_bytes_per_step, disk_gbps, record["first_pass_step_ms"] or step_ms))
     record.update(
         step_ms=round(step_ms, 2),
         tokens_per_s=round(args.batch_size * args.anchors * (block_size - 1) / (step_ms / 1e3), 1),
@@ -432,6 +530,31 @@ def write(path: str, record: dict) -> None:
     write_records(path, [BenchRecord(**record)])
 
 
+def data_files(path: str) -> list[str]:
+    """Every file under a records or store directory (what a run reads)."""
+    return sorted(os.path.join(r, n) for r, _d, names in os.walk(path) for n in names)
+
+
+def sample_files(path: str) -> list[str]:
+    """The per-sample files under a records or store directory (records' .ckpt, the store's .safetensors)."""
+    return [f for f in data_files(path) if f.endswith((".ckpt", ".safetensors"))]
+
+
+def prepare_cache(args, files: list[str]) -> str:
+    """Set the page cache for a run's data files as --cache asks; returns how."""
+    from specforge_csbp.bench.page_cache import evict, warm
+
+    if args.cache == "cold":
+        return evict(files, drop_caches=not args.fadvise_only)
+    warm(files)
+    return "read once"
+
+
+def data_stamp(args, config, length: int) -> dict:
+    return {"context": length, "samples": args.samples, "seed": args.seed, "hidden_size": int(config.hidden_size),
+            "vocab_size": int(config.vocab_size), "target_layer_ids": list(config.dflash["target_layer_ids"])}  # fmt: skip
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child is not None:
@@ -440,8 +563,10 @@ def main(argv=None) -> int:
 
     from plugin_setup import write_target
     from specforge_csbp.bench.grid import parse_size
+    from specforge_csbp.bench.page_cache import sequential_read_gbps
 
     modes = [m for m in MODES if m in args.modes.split(",")]
+    verifies = [v for v in STORE_VERIFY if v in args.store_verify.split(",")]
     length = parse_size(args.context)
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda" if on_gpu else "cpu")
@@ -452,37 +577,66 @@ def main(argv=None) -> int:
     if config.is_dflash2 and "specforge" in modes:
         raise SystemExit(f"--modes specforge: stock SpecForge 0.2.0 trains plain DFlash only; {args.draft_config} is "
                          "DFlash2 - add --no-dflash2 or use --modes csbp")  # fmt: skip
+    # records are named after the config file trained; a DFlash2 file trained as plain DFlash says so
     name = os.path.splitext(os.path.basename(args.draft_config))[0]
-    name = name.replace("-dflash2", "-dflash") if args.no_dflash2 else name
+    with open(args.draft_config) as f:
+        from_dflash2 = "DFlash2DraftModel" in (json.load(f).get("architectures") or [])
+    name += "-as-dflash" if args.no_dflash2 and from_dflash2 else ""
     block_size = int(config.draft_block_size)
-    generator = torch.Generator(device=device).manual_seed(args.seed)
-    target = write_target(config, os.path.join(work, "target"), generator, device)
-    records, store = os.path.join(work, "records"), os.path.join(work, "store")
-    shutil.rmtree(records, ignore_errors=True)
-    write_records(config, records, length, args.samples, generator, device)
-    failed = 0
-    for mode in modes:
-        if mode == "csbp":
-            import_store(config, records, store, target)
-            if not args.keep_data:
-                shutil.rmtree(records, ignore_errors=True)
-        run = run_config(args, mode, work, draft, records if mode == "specforge" else store, length, on_gpu,
-                         dflash2=config.is_dflash2)  # fmt: skip
-        log, peak, rc = launch(args, mode, run, work)
-        trace = newest_trace(run["output_dir"]) if args.profile_steps else None
-        record = make_record(args, mode, length, block_size, log, peak, rc, device_name, name, trace)
-        write(args.out, record)
-        if trace is not None and args.trace_dir and os.path.getsize(trace) <= TRACE_LIMIT_BYTES:
-            os.makedirs(args.trace_dir, exist_ok=True)
-            shutil.copy(trace, os.path.join(args.trace_dir, f"trainer_{mode}_{args.context}.trace.json.gz"))
-        failed += record["status"] != "ok"
-        shown = {k: record.get(k) for k in ("status", "step_ms", "data_wait_ms", "train_compute_ms",
-                                             "peak_mem_gib", "breakdown_ms", "error") if k in record}  # fmt: skip
-        print(f"trainer_bench {mode} {args.context}: {json.dumps(shown)}", flush=True)
-        shutil.rmtree(run["output_dir"], ignore_errors=True)  # the checkpoint (23 GB for the 27B shape)
-    if not args.keep_data:
+    target_dir, records, store = (os.path.join(work, n) for n in ("target", "records", "store"))
+    stamp_path, stamp = os.path.join(work, "data.json"), data_stamp(args, config, length)
+    if args.reuse_data:
+        old = json.load(open(stamp_path)) if os.path.exists(stamp_path) else None
+        if old != stamp:
+            raise SystemExit(f"--reuse-data: {work} holds no data of this shape ({stamp_path}: {old}, this run: {stamp})")
+        if "specforge" in modes and not os.path.isdir(records):
+            raise SystemExit(f"--reuse-data --modes specforge: {records} is gone (keep it with --keep-data)")
+        if not os.path.isdir(records) and not os.path.exists(os.path.join(store, "manifest.json")):
+            raise SystemExit(f"--reuse-data: neither {store} nor {records} is left (keep them with --keep-store)")
+        target = target_dir
+    else:
+        generator = torch.Generator(device=device).manual_seed(args.seed)
+        target = write_target(config, target_dir, generator, device)
         shutil.rmtree(records, ignore_errors=True)
         shutil.rmtree(store, ignore_errors=True)
+        write_records(config, records, length, args.samples, generator, device)
+        with open(stamp_path, "w") as f:
+            json.dump(stamp, f)
+    disk_gbps = None
+    failed = 0
+    for mode in modes:
+        if mode == "csbp" and not os.path.exists(os.path.join(store, "manifest.json")):
+            import_store(config, records, store, target, delete_records=not args.keep_data)
+            if not args.keep_data:
+                shutil.rmtree(records, ignore_errors=True)
+        data = records if mode == "specforge" else store
+        files = sample_files(data)
+        if disk_gbps is None:  # the disk itself: one cold sequential read of a sample file
+            disk_gbps = sequential_read_gbps(files[0])
+        per_step = round(sum(os.path.getsize(f) for f in files) / len(files) * args.batch_size)
+        for verify in verifies if mode == "csbp" else ["lazy"]:
+            run = run_config(args, mode, work, draft, data, length, on_gpu, dflash2=config.is_dflash2)
+            run["output_dir"] = os.path.join(work, run_name(mode, verify), "output")
+            cache = prepare_cache(args, data_files(data))
+            log, peak, rc = launch(args, mode, run, work, verify)
+            trace = newest_trace(run["output_dir"]) if args.profile_steps else None
+            record = make_record(args, mode, length, block_size, log, peak, rc, device_name, name, trace,
+                                 verify=verify, cache=cache, data_bytes_per_step=per_step, disk_gbps=disk_gbps)  # fmt: skip
+            write(args.out, record)
+            if trace is not None and args.trace_dir and os.path.getsize(trace) <= TRACE_LIMIT_BYTES:
+                os.makedirs(args.trace_dir, exist_ok=True)
+                shutil.copy(trace, os.path.join(args.trace_dir, f"trainer_{run_name(mode, verify)}_{args.context}.trace.json.gz"))
+            failed += record["status"] != "ok"
+            shown = {k: record.get(k) for k in ("status", "step_ms", "first_pass_step_ms", "first_pass_p90_ms",
+                                                 "later_pass_step_ms", "data_wait_ms", "read_gbps_needed",
+                                                 "disk_read_gbps", "read_bound", "peak_mem_gib", "breakdown_ms",
+                                                 "error") if k in record}  # fmt: skip
+            print(f"trainer_bench {run_name(mode, verify)} {args.context}: {json.dumps(shown)}", flush=True)
+            shutil.rmtree(run["output_dir"], ignore_errors=True)  # the checkpoint (23 GB for the 27B shape)
+    if not args.keep_data:
+        shutil.rmtree(records, ignore_errors=True)
+        if not args.keep_store:
+            shutil.rmtree(store, ignore_errors=True)
     return 1 if failed else 0
 
 

@@ -8,6 +8,8 @@ into the one line it prints with `one_line`:
     yaml / json / UTF-8 decode errors         `FILE:LINE:COL ...` (readers below add the file)
     safetensors errors                        `FILE: not a complete safetensors file (...)`
 
+`is_disk_full` says whether a failed write ran out of space (ENOSPC, a library's wording, torch.save's
+zip-writer short write into a nearly full directory); outputs.naming_full_disk turns it into one OSError.
 `is_user_error` says which exceptions are the user's (printed as one line, exit 2) and which are bugs
 (tracebacks); a `RunFault` (out of device memory, a non-finite loss) is the user's too: the recipe or the
 machine changes it, and its message names the ranks and what to change. The readers are what every entry point uses to read a user's text file: a missing file, a
@@ -37,6 +39,7 @@ __all__ = [
     "RunFault",
     "allocation_size",
     "format_validation_error",
+    "is_disk_full",
     "is_out_of_memory",
     "is_user_error",
     "load_config",
@@ -56,6 +59,10 @@ class RunFault(RuntimeError):
 
 
 _DISK_FULL = ("No space left on device", "StorageFull", "Disk quota exceeded")
+# a short write of a writer that does not pass the errno on (torch.save's zip writer: "[enforce fail at
+# inline_container.cc:...] . unexpected pos N vs M"); a full disk when the directory has next to no space left
+_SHORT_WRITE = ("unexpected pos", "PytorchStreamWriter failed writing file", "file write failed")
+_NEARLY_FULL_BYTES = 64 << 20
 # an accelerator allocation that failed (torch.OutOfMemoryError's wording, cuBLAS / cuDNN workspaces)
 _OUT_OF_MEMORY = ("CUDA out of memory", "out of device memory", "CUBLAS_STATUS_ALLOC_FAILED",
                   "CUDNN_STATUS_ALLOC_FAILED", "HIP out of memory")  # fmt: skip
@@ -64,6 +71,23 @@ _OUT_OF_MEMORY = ("CUDA out of memory", "out of device memory", "CUBLAS_STATUS_A
 def is_out_of_memory(err: BaseException) -> bool:
     """The device ran out of memory (torch.OutOfMemoryError, or an allocation failure inside a library)."""
     return type(err).__name__ == "OutOfMemoryError" or any(m in str(err) for m in _OUT_OF_MEMORY)
+
+
+def is_disk_full(err: BaseException, directory: str | os.PathLike | None = None) -> bool:
+    """`err` is a write that failed for lack of space: ENOSPC / EDQUOT, a library's wording of it, or a short
+    write (torch's zip writer) into `directory` while it has under 64 MiB free. Call it before a failed
+    write's partial file is removed (afterwards the space is back)."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(err)
+    if any(m in text for m in _DISK_FULL):
+        return True
+    if directory is None or not any(m in text for m in _SHORT_WRITE):
+        return False
+    try:
+        return os.statvfs(directory).f_bavail * os.statvfs(directory).f_frsize < _NEARLY_FULL_BYTES
+    except OSError:
+        return False
 
 
 def allocation_size(err: BaseException | str) -> str | None:

@@ -6,15 +6,19 @@
                                       same bytes), closed after saving; pyplot() is matplotlib set up for it
     staged_dir(out)                   a temporary directory beside OUT to fill; on success it replaces OUT
     file_sha256(path)                 the digest manifests and provenance record for a file, read in chunks
+    naming_full_disk(directory)       a write inside the block that fails for lack of space becomes one
+                                      OSError(ENOSPC) naming `directory` (every writer here uses it)
 
 A reader (a resumed run, a report, a server loading an export) therefore sees the old output or the new
-one, never half of one; a killed or disk-full write leaves the old output in place. The temporary lives in
+one, never half of one; a killed or disk-full write leaves the old output in place, and a full disk is one
+line that says so and names the directory (`errors.one_line` of the OSError). The temporary lives in
 the target's directory so the final rename stays on one file system (os.replace is atomic there).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -23,8 +27,11 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+from .errors import is_disk_full
+
 __all__ = [
     "file_sha256",
+    "naming_full_disk",
     "pyplot",
     "save_figure_atomic",
     "staged_dir",
@@ -42,6 +49,21 @@ def file_sha256(path: str | os.PathLike, chunk_bytes: int = 1 << 24) -> str:
     return digest.hexdigest()
 
 
+@contextlib.contextmanager
+def naming_full_disk(directory: str | os.PathLike, cleanup=None) -> Iterator[None]:
+    """Re-raise a failure of the block that is a full disk (errors.is_disk_full, judged before `cleanup()`
+    frees the partial output) as OSError(ENOSPC, ..., directory); `cleanup` runs on any failure."""
+    try:
+        yield
+    except BaseException as err:
+        full = is_disk_full(err, directory)
+        if cleanup is not None:
+            cleanup()
+        if full and not (isinstance(err, OSError) and err.errno == errno.ENOSPC and err.filename == os.fspath(directory)):
+            raise OSError(errno.ENOSPC, "No space left on device", os.fspath(directory)) from err
+        raise
+
+
 def _temporary(path: str, suffix: str = "") -> str:
     return f"{path}.tmp-{os.getpid()}{suffix}"
 
@@ -51,12 +73,13 @@ def write_text_atomic(path: str | os.PathLike, text: str, *, fsync: bool = False
     path = os.fspath(path)
     tmp = _temporary(path)
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with naming_full_disk(os.path.dirname(os.path.abspath(path))):
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+                if fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -86,8 +109,9 @@ def save_figure_atomic(fig, path: str | os.PathLike, *, dpi: int = 110) -> None:
     path = os.fspath(path)
     tmp = _temporary(path, ".png")  # the suffix tells matplotlib the format
     try:
-        fig.savefig(tmp, dpi=dpi, metadata={"Software": None})
-        os.replace(tmp, path)
+        with naming_full_disk(os.path.dirname(os.path.abspath(path))):
+            fig.savefig(tmp, dpi=dpi, metadata={"Software": None})
+            os.replace(tmp, path)
     finally:
         plt.close(fig)
         with contextlib.suppress(FileNotFoundError):
@@ -101,12 +125,10 @@ def staged_dir(out: str | os.PathLike) -> Iterator[str]:
     out = os.path.abspath(os.fspath(out))
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
-    try:
+    with naming_full_disk(parent):
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+    with naming_full_disk(parent, cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True)):
         yield tmp
         if os.path.isdir(out):
             shutil.rmtree(out)
         os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

@@ -1,7 +1,8 @@
 """Target-feature data for DFlash drafter training: the sharded feature store and how it is filled.
 
     manifest.py         StoreManifest / SampleEntry (pydantic), hashing, atomic JSON writes
-    store.py            FeatureStoreWriter, FeatureStore (hash-verified open, interval reads by mmap slice)
+    store.py            FeatureStoreWriter, FeatureStore (size-checked open, interval reads verified per chunk)
+    checksums.py        per-chunk checksums of a sample file's rows (xxh3_64 / crc32), header parse, positioned reads
     dataset.py          ShardedFeatureDataset: per rank, whole tokens + the rows of its zigzag intervals
     samples.py          jsonl chat/text samples -> input_ids, loss_mask (chat template, assistant mask)
     capture.py          TargetFeatures: a transformers target's hidden states at target_layer_ids

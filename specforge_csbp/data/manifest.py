@@ -8,7 +8,8 @@
 
 The manifest names the target (name + a hash of its config), the target layer ids whose hidden states are
 concatenated on each row, the hidden size and the feature dtype; per sample it keeps the id, the relative
-file path, the length, the supervised-token count, the file size and its sha256.
+file path, the length, the supervised-token count, the file size and its sha256, and the per-chunk
+checksums of its rows (checksums.py; absent in stores written before them, which readers check by sha256).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
+    "CHUNK_HASHES",
     "FEATURE_DTYPES",
     "FORMAT",
     "MANIFEST_NAME",
@@ -32,6 +34,7 @@ __all__ = [
 FORMAT = "specforge-csbp-feature-store/1"
 MANIFEST_NAME = "manifest.json"
 FEATURE_DTYPES = ("bfloat16", "float16", "float32", "float64")
+CHUNK_HASHES = ("xxh3_64", "crc32")  # checksums.py: the fast hash of each chunk of rows
 
 # Fields of a transformers config that say nothing about the function the target computes.
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash"}
@@ -62,6 +65,12 @@ class SampleEntry(BaseModel):
     record_sha256: str | None = Field(
         default=None, description="sha256 of the source record and capture settings: --resume's sample identity"
     )
+    chunk_digests: list[str] | None = Field(
+        default=None, description="the store's chunk_hash of each chunk of chunk_rows hidden-state rows"
+    )
+    other_digest: str | None = Field(
+        default=None, description="chunk_hash of every byte outside hidden_states (header, input_ids, loss_mask)"
+    )
 
 
 class StoreManifest(BaseModel):
@@ -76,6 +85,8 @@ class StoreManifest(BaseModel):
     complete: bool = Field(
         default=True, description="false while a capture / import runs, and after one that stopped or failed"
     )
+    chunk_hash: str | None = Field(default=None, description="hash of the per-chunk checksums (None: sha256 only)")
+    chunk_rows: int | None = Field(default=None, ge=1, description="hidden-state rows per checksummed chunk")
     samples: list[SampleEntry] = []
 
     @property
@@ -92,6 +103,10 @@ class StoreManifest(BaseModel):
             raise ValueError(f"target_layer_ids must be non-empty and unique, got {self.target_layer_ids}")
         if min(self.target_layer_ids) < 0:
             raise ValueError(f"target_layer_ids must be >= 0, got {self.target_layer_ids}")
+        if self.chunk_hash is not None and self.chunk_hash not in CHUNK_HASHES:
+            raise ValueError(f"chunk_hash must be one of {', '.join(CHUNK_HASHES)}; got {self.chunk_hash!r}")
+        if (self.chunk_hash is None) != (self.chunk_rows is None):
+            raise ValueError("chunk_hash and chunk_rows: give both or neither")
         ids = [s.id for s in self.samples]
         if len(set(ids)) != len(ids):
             raise ValueError("samples: sample ids must be unique")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import gzip
 import io
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from tqdm import tqdm
@@ -83,8 +83,10 @@ def import_specforge_records(
     max_length: int | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    after_each: Callable[[str], None] | None = None,
 ) -> StoreManifest:
-    """Convert every record under `src` into a store at `out`; returns its manifest."""
+    """Convert every record under `src` into a store at `out`; returns its manifest. `after_each(path)` runs
+    once a record's sample is stored (a caller short of disk deletes the record: one copy at a time)."""
     files = list_specforge_records(src)
     width = len(target_layer_ids) * hidden_size
     if max_length is not None and max_length < 1:
@@ -104,6 +106,8 @@ def import_specforge_records(
                     dtype=store_dtype, source="specforge-import", overwrite=overwrite,
                 )  # fmt: skip
             writer.add(f"{index:08d}", ids, mask, hidden, source_file=os.path.relpath(path, src_root))
+            if after_each is not None:
+                after_each(path)
         ok = True
     finally:
         if writer is not None and ok:

@@ -16,8 +16,9 @@ Under CSBP a rank holds only its zigzag shard of the context, so it reads only t
     rank 0 reads hidden_states[chunk 0] and hidden_states[chunk 3] - two slices of a memory map,
     never the rows in between.
 
-`read_intervals` goes through safetensors' `safe_open(...).get_slice(name)[lo:hi]`, which maps the file and
-copies out only the requested rows. Tokens and loss mask are small and read whole.
+`read_intervals` parses the file's safetensors header, maps the file (no copy) and returns the requested
+rows as views of the map, after reading and hashing the whole checksummed chunks that cover them
+(checksums.py; over a few threads for a long range). Tokens and loss mask are small and read whole.
 
 Writes are atomic (temporary file + rename) for sample files and the manifest alike. The manifest is
 written when the store is created, with `complete: false`, and marked complete only when the writer closes
@@ -31,17 +32,20 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 from pydantic import ValidationError
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..outputs import file_sha256, write_json_atomic
+from ..outputs import file_sha256, naming_full_disk, write_json_atomic
+from .checksums import CHUNK_BYTES, Span, chunk_hash_name, chunk_rows_for, file_digests, hasher, read_bytes, tensor_spans
 from .manifest import (
+    FEATURE_DTYPES,
     FORMAT,
     MANIFEST_NAME,
     SampleEntry,
@@ -54,6 +58,7 @@ __all__ = ["VERIFY_MODES", "FeatureStore", "FeatureStoreWriter", "check_out_dir"
 VERIFY_MODES = ("full", "lazy", "trust")
 _SAMPLES_DIR = "samples"
 _HIDDEN, _IDS, _MASK = "hidden_states", "input_ids", "loss_mask"
+_SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64"}
 
 
 def _pydantic_error(err: ValidationError) -> str:
@@ -86,11 +91,14 @@ class FeatureStoreWriter:
         overwrite: bool = False,
         resume: bool = False,
         flush_every_s: float = 60.0,
+        chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
         try:
+            itemsize = getattr(torch, dtype).itemsize if dtype in FEATURE_DTYPES else 1
             self.manifest = StoreManifest(
                 target=target, target_layer_ids=list(target_layer_ids), hidden_size=hidden_size,
-                dtype=dtype, source=source,
+                dtype=dtype, source=source, chunk_hash=chunk_hash_name(),
+                chunk_rows=chunk_rows_for(len(target_layer_ids) * hidden_size * itemsize, chunk_bytes),
             )  # fmt: skip
         except ValidationError as err:
             raise ValueError(_pydantic_error(err)) from None
@@ -158,11 +166,17 @@ class FeatureStoreWriter:
         tmp = f"{path}.tmp-{os.getpid()}"
         entry = None
         try:
-            save_file(tensors, tmp, metadata={"sample_id": sample_id, "format": FORMAT})
+            with naming_full_disk(self.root):  # judged before the partial file is removed
+                save_file(tensors, tmp, metadata={"sample_id": sample_id, "format": FORMAT})
+            other, chunks = None, None
+            if self.manifest.chunk_hash is not None:  # a store resumed from before checksums stays sha256-only
+                other, chunks = file_digests(tmp, self.manifest.chunk_hash, self.manifest.chunk_rows,
+                                             width, self._dtype.itemsize)  # fmt: skip
             entry = SampleEntry(
                 id=sample_id, file=rel, length=length, num_loss_tokens=int(tensors[_MASK].sum()),
                 nbytes=os.path.getsize(tmp), sha256=file_sha256(tmp), source_file=source_file,
                 first_anchor=_first_anchor(tensors[_MASK]), record_sha256=record_sha256,
+                chunk_digests=chunks, other_digest=other,
             )  # fmt: skip
             os.replace(tmp, path)
         except BaseException:  # e.g. SIGTERM's exception, which can land between any two lines
@@ -279,18 +293,23 @@ class FeatureStore:
     """Read side of a store. Opening checks every file the manifest lists:
 
     verify="full"   sha256 of every file against the manifest (reads every byte once; do it once after
-                    capture or copying, e.g. on one rank before training)
-    verify="lazy"   existence and size now; each file's sha256 once, at its first read (in whichever thread
-                    reads it: the prefetch thread of a drafter run), so a flipped byte stops the run at the
-                    sample, naming the file, and costs one extra pass over each file per run
-    verify="trust"  existence and size only (a stat per file)
+                    capture or copying, e.g. on one rank before training); reads then verify as "lazy"
+    verify="lazy"   existence and size now; every read verifies the per-chunk checksums of exactly the
+                    bytes it read (checksums.py), in whichever thread reads (the prefetch thread of a
+                    drafter run), holding no lock: a flipped byte stops the run at that sample, naming the
+                    file, before a row of it is returned. A store written before per-chunk checksums gets
+                    the older check instead (each file's whole sha256 at its first read, under a lock), and
+                    one notice line says so
+    verify="trust"  existence and size only (a stat per file); reads check nothing
 
 A store whose capture or import did not finish (`complete: false`) is refused.
 
-    Corrupted or missing files raise a one-line ValueError naming the file.
+    Corrupted or missing files raise a one-line ValueError naming the file. `bytes_read` / `bytes_hashed`
+    count the sample-file bytes reads have read and hashed (equal under "lazy" on a checksummed store).
+    `read_threads`: threads the hashing of one long read is split over (the hashes release the GIL).
     """
 
-    def __init__(self, root: str, verify: str = "full") -> None:
+    def __init__(self, root: str, verify: str = "full", *, read_threads: int = 4) -> None:
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}; got {verify!r}")
         self.root = root
@@ -310,11 +329,32 @@ A store whose capture or import did not finish (`complete: false`) is refused.
                    if self.manifest.source == "capture" else "rerun `import-specforge` with --overwrite")
             )
         self._entries = {s.id: s for s in self.manifest.samples}
-        self._lazy = verify == "lazy"
+        chunked = self.manifest.chunk_hash is not None and all(
+            s.chunk_digests is not None for s in self.manifest.samples
+        )
+        # per-chunk checks on every read unless trusted; a store from before them: sha256 at the first read
+        self._digest = hasher(self.manifest.chunk_hash) if chunked and verify != "trust" else None
+        self._lazy_whole = verify == "lazy" and not chunked
+        if self._lazy_whole and self.manifest.samples:
+            print(
+                f"notice: the store at {root} has no per-chunk checksums (written by an older specforge-csbp); "
+                "verify='lazy' reads each sample file whole once for its sha256 at its first read, on the read "
+                "path; rewrite the store (capture / import-specforge --overwrite) for per-chunk checks",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
         self._verified: set[str] = set()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # only the whole-file first-read check of a store without checksums
+        self._count_lock = threading.Lock()  # the byte counters (held for an addition)
+        self.bytes_read = self.bytes_hashed = 0
+        self._threads, self._pool, self._pool_lock = max(1, int(read_threads)), None, threading.Lock()
         for entry in self.manifest.samples:
             self._check_file(entry, full=verify == "full")
+            if chunked and len(entry.chunk_digests) != -(-entry.length // self.manifest.chunk_rows):
+                raise ValueError(
+                    f"store: {path}: sample {entry.id!r} has {len(entry.chunk_digests)} chunk checksums, its "
+                    f"{entry.length} rows in chunks of {self.manifest.chunk_rows} need "
+                    f"{-(-entry.length // self.manifest.chunk_rows)}"
+                )
 
     # -- metadata ------------------------------------------------------------------------------------------
     @property
@@ -366,21 +406,40 @@ A store whose capture or import did not finish (`complete: false`) is refused.
 
     # -- reads ---------------------------------------------------------------------------------------------
     def read_tokens(self, sample_id: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids [L], loss_mask [L]), both int64 - small, read whole."""
+        """(input_ids [L], loss_mask [L]), both int64 - small, read whole (with the header: every byte of the
+        file outside hidden_states, checked against the manifest's other_digest)."""
         entry = self.entry(sample_id)
-        with self._open(entry) as f:
-            ids, mask = f.get_tensor(_IDS), f.get_tensor(_MASK)
-        for name, t in ((_IDS, ids), (_MASK, mask)):
-            if list(t.shape) != [entry.length]:
+        path = self._path(entry)
+        with self._file(entry) as f:
+            spans = tensor_spans(f, path)
+            hidden = self._hidden_span(entry, spans, path)
+            size = os.fstat(f.fileno()).st_size
+            outside = torch.empty(hidden.start + size - hidden.end, dtype=torch.uint8)
+            read_bytes(f.fileno(), 0, outside[: hidden.start])
+            read_bytes(f.fileno(), hidden.end, outside[hidden.start :])
+        hashed = 0
+        if self._digest is not None:
+            if self._digest(memoryview(outside.numpy())) != entry.other_digest:
                 raise ValueError(
-                    f"{self._path(entry)}: {name} has shape {list(t.shape)}, manifest says [{entry.length}]"
+                    f"corrupted store file {path}: its header, input_ids or loss_mask differ from the "
+                    f"manifest's {self.manifest.chunk_hash} checksum"
                 )
-        return ids, mask
+            hashed = outside.numel()
+        self._count(outside.numel(), hashed)
+        out = []
+        for name in (_IDS, _MASK):
+            span = spans.get(name)
+            if span is None or span.dtype != "I64" or list(span.shape) != [entry.length]:
+                got = "missing" if span is None else f"{span.dtype} {list(span.shape)}"
+                raise ValueError(f"{path}: {name} is {got}, manifest says I64 [{entry.length}]")
+            at = span.start if span.start < hidden.start else span.start - (hidden.end - hidden.start)
+            out.append(outside[at : at + span.end - span.start].view(torch.int64).clone())
+        return out[0], out[1]
 
     def read_intervals(self, sample_id: str, intervals: Sequence[tuple[int, int]]) -> torch.Tensor:
         """Hidden-state rows of the token intervals [lo, hi), concatenated in order: [sum(hi - lo), W].
 
-        Only those rows are copied out of the memory-mapped file.
+        Only those rows are read (rounded out to whole checksummed chunks, which are verified first).
         """
         entry = self.entry(sample_id)
         for lo, hi in intervals:
@@ -388,33 +447,90 @@ A store whose capture or import did not finish (`complete: false`) is refused.
                 raise ValueError(
                     f"intervals: [{lo}, {hi}) is not inside sample {sample_id!r} of length {entry.length}"
                 )
-        with self._open(entry) as f:
-            rows = f.get_slice(_HIDDEN)
-            shape = list(rows.get_shape())
-            if shape != [entry.length, self.feature_width]:
-                raise ValueError(
-                    f"{self._path(entry)}: hidden_states has shape {shape}, manifest says "
-                    f"[{entry.length}, {self.feature_width}]"
-                )
-            parts = [rows[lo:hi] for lo, hi in intervals if hi > lo]
+        path = self._path(entry)
+        with self._file(entry) as f:
+            hidden = self._hidden_span(entry, tensor_spans(f, path), path)
+            size = os.fstat(f.fileno()).st_size
+        # the file mapped privately (no copy: the page cache's pages, as safetensors maps them); a row is
+        # copied out only by whoever uses it (the prefetch worker's pinned copy to the GPU)
+        try:
+            data = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
+        except RuntimeError as err:
+            raise ValueError(f"corrupted or missing store file {path}: {err}".replace("\n", " ")) from None
+        parts = [self._rows(entry, data, hidden, lo, hi) for lo, hi in intervals if hi > lo]
         if not parts:
             return torch.zeros(0, self.feature_width, dtype=self.dtype)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _rows(self, entry: SampleEntry, data: torch.Tensor, hidden: Span, lo: int, hi: int) -> torch.Tensor:
+        """Rows [lo, hi) of the mapped file `data`: unless trusted, the whole chunks that cover them are read
+        and hashed (split over the read threads) and compared with the manifest before the rows are returned."""
+        row_bytes = self.feature_width * self.dtype.itemsize
+        rows = self.manifest.chunk_rows or chunk_rows_for(row_bytes)
+        a, b = (lo // rows * rows, min(-(-hi // rows) * rows, entry.length)) if self._digest else (lo, hi)
+        region = data[hidden.start + a * row_bytes : hidden.start + b * row_bytes]
+        if self._digest is not None:
+            chunks = range(a // rows, -(-b // rows))
+            per_thread = max(1, -(-len(chunks) // self._threads))
+            groups = [chunks[g : g + per_thread] for g in range(0, len(chunks), per_thread)]
+
+            def check(group: range) -> None:
+                for k in group:
+                    self._check_chunk(entry, k, region[(k * rows - a) * row_bytes : (min(k * rows + rows, b) - a) * row_bytes])
+
+            self._map(check, groups) if len(groups) > 1 else check(groups[0])
+        self._count(region.numel(), region.numel() if self._digest else 0)
+        return region.view(self.dtype).view(b - a, self.feature_width)[lo - a : hi - a]
+
+    def _check_chunk(self, entry: SampleEntry, k: int, chunk: torch.Tensor) -> None:
+        """Chunk k's bytes against the manifest (a read of the mapped pages: the hash is what reads them)."""
+        if self._digest(memoryview(chunk.numpy())) != entry.chunk_digests[k]:
+            rows = self.manifest.chunk_rows
+            raise ValueError(
+                f"corrupted store file {self._path(entry)}: hidden_states rows {k * rows}-"
+                f"{min(k * rows + rows, entry.length) - 1} (chunk {k}) differ from the manifest's "
+                f"{self.manifest.chunk_hash} checksum"
+            )
+
+    def _map(self, fn, items) -> list:
+        """fn over items on the read threads; every call has finished before this returns or raises (a
+        failed chunk must not leave another thread reading the mapped file)."""
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="store-read")
+        futures = [self._pool.submit(fn, item) for item in items]
+        wait(futures)
+        return [f.result() for f in futures]  # the first failure, in order, is raised here
+
+    def _count(self, read: int, hashed: int) -> None:
+        with self._count_lock:
+            self.bytes_read += read
+            self.bytes_hashed += hashed
+
+    def _hidden_span(self, entry: SampleEntry, spans: dict[str, Span], path: str) -> Span:
+        hidden = spans.get(_HIDDEN)
+        expected = [entry.length, self.feature_width]
+        if hidden is None or list(hidden.shape) != expected or hidden.dtype != _SAFETENSORS_DTYPES[self.manifest.dtype]:
+            got = "missing" if hidden is None else f"{hidden.dtype} {list(hidden.shape)}"
+            raise ValueError(
+                f"{path}: hidden_states is {got}, manifest says {_SAFETENSORS_DTYPES[self.manifest.dtype]} {expected}"
+            )
+        return hidden
 
     # -- integrity -----------------------------------------------------------------------------------------
     def _path(self, entry: SampleEntry) -> str:
         return os.path.join(self.root, entry.file)
 
-    def _open(self, entry: SampleEntry):
+    def _file(self, entry: SampleEntry):
         path = self._path(entry)
-        if self._lazy and entry.id not in self._verified:
+        if self._lazy_whole and entry.id not in self._verified:
             with self._lock:
                 if entry.id not in self._verified:
                     self._check_file(entry, full=True)
                     self._verified.add(entry.id)
         try:
-            return safe_open(path, framework="pt")
-        except (SafetensorError, OSError) as err:
+            return open(path, "rb")
+        except OSError as err:
             raise ValueError(f"corrupted or missing store file {path}: {err}".replace("\n", " ")) from None
 
     def _check_file(self, entry: SampleEntry, full: bool) -> None:

@@ -26,6 +26,7 @@ from ..data.manifest import config_hash
 from ..data.store import FeatureStore
 from ..distributed import relay
 from ..errors import is_user_error, load_json, one_line
+from ..outputs import naming_full_disk
 from ..preflight import check_flex_backend_on_cpu, check_local_path, check_store_trainable, check_writable_dir
 from .arguments import add_train_arguments
 from .checkpoints import check_resume_config, check_warm_start
@@ -225,7 +226,8 @@ def _train(resolved, prepared: PreparedRun) -> int:
         plateau = reporting.PlateauCheck(prepared.options.plateau_steps, cfg.data.max_length,
                                          cfg.model.draft_checkpoint_path)  # fmt: skip
         reporting.install(run, plateau=plateau)  # progress bar, metrics.jsonl, eval/est_tau, the plateau line
-        step = run.run()
+        with naming_full_disk(cfg.output_dir):  # a full disk in a save (SpecForge's torch.save): one line
+            step = run.run()
         if dist.get_rank() == 0:
             latest = os.path.join(cfg.output_dir, f"{cfg.run_id}-latest")
             print(f"specforge-csbp: trained {step} step(s); checkpoint {latest}", flush=True)

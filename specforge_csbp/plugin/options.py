@@ -14,6 +14,7 @@
       keep_logits_gib: auto # kept loss logits budget; auto: from the GPU's free memory (plugin/keep_logits.py)
       compile: auto   # torch.compile the drafter's token-wise chains (norms, RoPE, MLP, conv); auto: on GPUs
       plateau_steps: 300 # est_tau still < 1.1 after this many steps: one line with the cause and the recipe
+      store_verify: lazy # per-chunk checksums of the rows each read reads (data/checksums.py); trust: none
 
 SpecForge's schema forbids unknown fields, so the `csbp:` section is taken out of the file before SpecForge
 validates the rest, and `csbp.*` overrides are applied here. World size = deployment.trainer.nnodes x
@@ -95,6 +96,12 @@ class CSBPOptions(BaseModel):
         description="read the next sample's context features from the store and copy them to the GPU while "
         "the current one trains (one more sample's features in GPU memory: 13.4 GB per rank at 512K for a "
         "5 x 5120 target); false: read and copy them at the start of each sample",
+    )
+    store_verify: Literal["lazy", "trust"] = Field(
+        default="lazy",
+        description="how the training store's reads are checked: lazy verifies the per-chunk checksums of "
+        "exactly the rows each read reads, in the reading thread (the prefetch worker); trust checks nothing "
+        "(data/store.py FeatureStore)",
     )
     bucket: int = Field(default=1, ge=1, description="pad planned row counts to a multiple (static shapes)")
     attention_schedule: Literal["fused", "overlap"] | None = Field(

@@ -221,6 +221,7 @@ def build_training_model(
         mode=mode, max_len=cfg.data.max_length, bucket=options.bucket,
         attention=attention_options(options, cfg.training.attention_backend),
         prefetch_features=options.prefetch_features, eval_store_path=eval_path,
+        store_verify=options.store_verify,
     ).to(device=_device())  # fmt: skip
     if compiles_drafter(options, _device()):
         compiled = draft_model.compile_token_wise()

@@ -79,6 +79,7 @@ class CSBPDrafterTrainingModel(nn.Module):
         bucket: int = 1,
         prefetch_features: bool = True,
         eval_store_path: str | None = None,
+        store_verify: str = "lazy",
     ) -> None:
         super().__init__()
         self.draft_model = draft_model
@@ -91,7 +92,7 @@ class CSBPDrafterTrainingModel(nn.Module):
         self.bucket = int(bucket)
         # the prefetch worker also reads a sample's features from the store and copies them (side stream)
         self.prefetch_features = bool(prefetch_features)
-        self._store = None
+        self._store, self.store_verify = None, store_verify
         self.eval_store_path, self._eval_store = eval_store_path or None, None
         self.tokens_trained = 0  # tokens of the samples this rank's CP group trained (host count)
         self._prefetch: StepPrefetcher | None = None  # one worker across micro-steps
@@ -101,7 +102,7 @@ class CSBPDrafterTrainingModel(nn.Module):
     @property
     def store(self):
         if self._store is None:
-            self._store = FeatureStore(self.store_path, verify="lazy")
+            self._store = FeatureStore(self.store_path, verify=self.store_verify)
         return self._store
 
     @property

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..outputs import file_sha256
+from ..outputs import file_sha256, naming_full_disk
 
 __all__ = [
     "MANIFEST",
@@ -115,15 +115,13 @@ def save_checkpoint(
         shutil.rmtree(stale, ignore_errors=True)
     final = out / _name(step)
     tmp = out / f".{_name(step)}.tmp"
-    tmp.mkdir()
-    try:
+    # disk full (one line naming OUT), I/O error: free the space now; `latest` still names the last checkpoint
+    with naming_full_disk(out, cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True)):
+        tmp.mkdir()
         write_model(tmp)
         torch.save(optimizer_state, tmp / "optimizer.pt")
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1, default=str))
         _seal(tmp, step)
-    except Exception:  # disk full, I/O error: free the space now; `latest` still names the last checkpoint
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     if final.exists():  # a complete checkpoint of this step from a run that `latest` no longer names
         old = out / f".{_name(step)}.old.tmp"
         os.replace(final, old)
@@ -131,9 +129,10 @@ def save_checkpoint(
     os.replace(tmp, final)
     _fsync(out)
     pointer = out / f".{_POINTER}.tmp"
-    pointer.write_text(final.name)
-    _fsync(pointer)
-    os.replace(pointer, out / _POINTER)
+    with naming_full_disk(out, cleanup=lambda: pointer.unlink(missing_ok=True)):  # `latest` stays the old one
+        pointer.write_text(final.name)
+        _fsync(pointer)
+        os.replace(pointer, out / _POINTER)
     _fsync(out)
     done = sorted(
         (p for p in out.glob("step_*") if p.is_dir() and checkpoint_step(p) is not None), key=checkpoint_step

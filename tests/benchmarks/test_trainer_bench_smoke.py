@@ -67,33 +67,65 @@ def test_bad_arguments_name_the_flag():
                                   "--warmup", "2", "--profile-steps", "1"])  # fmt: skip
 
 
+def test_first_and_later_pass_steps():
+    """8 samples, 2 passes, step 1 compiles, 2 profiled: the first pass is steps 2-8, the later pass 10-14
+    (9 starts an epoch, 15-16 are profiled)."""
+    args = trainer_bench.parse_args(["--draft-config", DRAFTER, "--work", "w", "--out", "o", "--passes", "2",
+                                     "--profile-steps", "2"])  # fmt: skip
+    assert (args.samples, args.steps, args.warmup) == (8, 16, 1)
+    assert trainer_bench.first_pass_steps(args) == list(range(2, 9))
+    assert trainer_bench.later_pass_steps(args) == list(range(10, 15))
+    assert trainer_bench.epoch_first_steps(args) == [9]
+    assert trainer_bench.p90([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0]) == pytest.approx(10.0)
+    one = trainer_bench.parse_args(["--draft-config", DRAFTER, "--work", "w", "--out", "o"])
+    assert one.steps == 8 and trainer_bench.later_pass_steps(one) == []  # the default: one pass
+    with pytest.raises(SystemExit):
+        trainer_bench.parse_args(["--draft-config", DRAFTER, "--work", "w", "--out", "o", "--store-verify", "full"])
+
+
 @pytest.mark.slow
 def test_both_trainers_on_identical_bytes(tmp_path):
     work, out = tmp_path / "work", tmp_path / "rec.jsonl"
     rc = trainer_bench.main([
-        "--draft-config", DRAFTER, "--no-dflash2", "--context", "256", "--samples", "3", "--steps", "5",
+        "--draft-config", DRAFTER, "--no-dflash2", "--context", "256", "--samples", "3", "--passes", "2",
         "--warmup", "1", "--profile-steps", "1", "--anchors", "8", "--work", str(work), "--out", str(out),
-        "--trace-dir", str(tmp_path / "traces"), "--keep-data",
+        "--trace-dir", str(tmp_path / "traces"), "--keep-data", "--store-verify", "lazy,trust", "--cache", "cold",
+        "--fadvise-only",
     ])  # fmt: skip
     assert rc == 0
-    recs = {r["mode"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert sorted(recs) == ["csbp", "specforge"]
-    for mode, r in recs.items():
-        assert r["status"] == "ok" and r["workload"] == "trainer-quickstart_drafter" and r["block_size"] == 4
+    recs = {(r["mode"], r.get("store_verify")): r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(recs, key=str) == [("csbp", "lazy"), ("csbp", "trust"), ("specforge", None)]
+    sizes = {d: [f.stat().st_size for f in sorted((work / d).rglob("*")) if f.suffix in (".ckpt", ".safetensors")]
+             for d in ("records", "store")}  # fmt: skip
+    for (mode, verify), r in recs.items():
+        folder = trainer_bench.run_name(mode, verify or "lazy")
+        assert r["status"] == "ok" and r["block_size"] == 4 and r["trained_config"] == "quickstart_drafter-as-dflash"
+        assert r["workload"] == "trainer-quickstart_drafter-as-dflash" + ("-store-trust" if verify == "trust" else "")
         assert r["world_size"] == 1 and r["context_len"] == 256 and r["timed_steps"] == 2
-        # the median of the steps the trainer itself logged: 2-3 (after warm-up, before the profiled step 5,
-        # not step 4, the first of the second epoch)
-        logged = trainer_bench.step_metrics((work / mode / "log.txt").read_text())
-        assert sorted(logged) == [1, 2, 3, 4, 5]
-        want = statistics.median(logged[s]["perf/optimizer_step_time_s"] for s in (2, 3)) * 1e3
-        assert r["step_ms"] == pytest.approx(want, abs=0.01)
-        assert r["epoch_first_step_ms"] == pytest.approx(logged[4]["perf/optimizer_step_time_s"] * 1e3, abs=0.01)
+        # the trainer's own log: step 1 compiles, 2-3 are the first pass, 4 starts the second, 5 is the later
+        # pass's one timed step, 6 is profiled
+        logged = trainer_bench.step_metrics((work / folder / "log.txt").read_text())
+        assert sorted(logged) == [1, 2, 3, 4, 5, 6]
+        ms = {s: logged[s]["perf/optimizer_step_time_s"] * 1e3 for s in logged}
+        first = [ms[2], ms[3]]
+        assert r["first_pass_steps"] == [2, 3] and r["later_pass_steps"] == [5] and r["left_out_steps"] == [1]
+        assert r["step_ms"] == pytest.approx(statistics.median(first), abs=0.01) == r["first_pass_step_ms"]
+        assert r["first_pass_p90_ms"] == pytest.approx(trainer_bench.p90(first), abs=0.01) and max(first) >= r["first_pass_p90_ms"]
+        assert r["later_pass_step_ms"] == pytest.approx(ms[5], abs=0.01)
+        assert r["first_vs_later"] == pytest.approx(statistics.median(first) / ms[5], rel=1e-3)
+        assert r["epoch_first_step_ms"] == pytest.approx(ms[4], abs=0.01) and r["profiled_steps"] == [6]
+        assert r["page_cache"] == "cold" and r["cache_prepared_by"] == "posix_fadvise DONTNEED"
+        # the bytes a step reads: one sample's file (one rank reads every row), the rate that needs, the disk's
+        data = sizes["records" if mode == "specforge" else "store"]
+        assert r["data_bytes_per_step"] == round(sum(data) / len(data))
+        assert r["read_gbps_needed"] == pytest.approx(r["data_bytes_per_step"] / (r["first_pass_step_ms"] / 1e3) / 1e9, rel=1e-2)
+        assert r["disk_read_gbps"] > 0 and r["read_bound"] == (r["read_gbps_needed"] > r["disk_read_gbps"])
         assert r["peak_mem_gib"] > 0
         b = r["breakdown_ms"]
         assert set(b) == {"data", "forward_backward", "optimizer", "host_syncs", "logging"}
         assert b["optimizer"] > 0 and b["forward_backward"] > 0
-        assert (tmp_path / "traces" / f"trainer_{mode}_256.trace.json.gz").exists()
-        assert not (work / mode / "output").exists()  # checkpoints deleted even with --keep-data
+        assert (tmp_path / "traces" / f"trainer_{folder}_256.trace.json.gz").exists()
+        assert not (work / folder / "output").exists()  # checkpoints deleted even with --keep-data
     # identical bytes: every imported sample is the record SpecForge trained on
     from specforge_csbp.data.store import FeatureStore
 
@@ -103,6 +135,21 @@ def test_both_trainers_on_identical_bytes(tmp_path):
         ids, mask = store.read_tokens(f"{i:08d}")
         assert torch.equal(ids, raw["input_ids"]) and torch.equal(mask, raw["loss_mask"])
         assert torch.equal(store.read_intervals(f"{i:08d}", [(0, 256)]), raw["hidden_states"][0])
+    # a later launch trains on the same store (csbp only: the records could have gone)
+    rc = trainer_bench.main(["--draft-config", DRAFTER, "--no-dflash2", "--modes", "csbp", "--context", "256",
+                             "--samples", "3", "--anchors", "8", "--work", str(work), "--out", str(out),
+                             "--reuse-data", "--cache", "warm"])  # fmt: skip
+    assert rc == 0
+    last = json.loads(out.read_text().splitlines()[-1])
+    assert last["workload"] == "trainer-quickstart_drafter-as-dflash-warm-cache"
+    assert last["page_cache"] == "warm" and last["first_pass_steps"] == [2, 3] and "later_pass_step_ms" not in last
+    assert not (work / "store").exists() and not (work / "records").exists()  # no --keep-*: the data went
+    with pytest.raises(SystemExit, match="--reuse-data: neither .* is left"):
+        trainer_bench.main(["--draft-config", DRAFTER, "--no-dflash2", "--modes", "csbp", "--context", "256",
+                            "--samples", "3", "--work", str(work), "--out", str(out), "--reuse-data"])  # fmt: skip
+    with pytest.raises(SystemExit, match="--reuse-data"):
+        trainer_bench.main(["--draft-config", DRAFTER, "--modes", "csbp", "--context", "512", "--samples", "3",
+                            "--work", str(work), "--out", str(out), "--reuse-data"])  # fmt: skip
 
 
 def test_a_dflash2_drafter_trains_under_csbp_and_stock_is_refused(tmp_path):

@@ -65,53 +65,23 @@ def test_store_dtype_is_the_one_asked_for(tmp_path):
     assert rows.dtype == torch.bfloat16 and torch.equal(rows, samples[1][3].to(torch.bfloat16))
 
 
-class _Recorder:
-    """Wraps safetensors.safe_open: records every row range of `hidden_states` handed out, and whole reads."""
-
-    def __init__(self, real):
-        self.real, self.reads = real, []
-
-    def __call__(self, path, framework):
-        recorder, handle = self, self.real(path, framework=framework)
-
-        class Slice:
-            def __init__(self, name):
-                self.name, self.inner = name, handle.get_slice(name)
-
-            def get_shape(self):
-                return self.inner.get_shape()
-
-            def __getitem__(self, key):
-                lo, hi, _ = key.indices(self.get_shape()[0])
-                recorder.reads.append((os.path.basename(path), self.name, lo, hi))
-                return self.inner[key]
-
-        class Handle:
-            def __enter__(self):
-                handle.__enter__()
-                return self
-
-            def __exit__(self, *exc):
-                return handle.__exit__(*exc)
-
-            def get_slice(self, name):
-                return Slice(name)
-
-            def get_tensor(self, name):
-                recorder.reads.append((os.path.basename(path), name, "whole", None))
-                return handle.get_tensor(name)
-
-        return Handle()
-
-
-def test_a_rank_reads_only_its_zigzag_intervals(tmp_path, monkeypatch):
-    """Every hidden-state read of a rank is exactly one of its zigzag intervals (clipped to the real
-    length); a whole-sequence read (get_tensor, [:] slice, load_file bypassing safe_open) fails this."""
+@pytest.mark.parametrize("chunk_rows", [3, 4])
+def test_a_rank_reads_only_its_zigzag_intervals(tmp_path, monkeypatch, chunk_rows):
+    """Every hidden-state read of a rank is one of its zigzag intervals (clipped to the real length), rounded
+    out to whole checksummed chunks, and every byte read is hashed; a whole-sequence read fails this."""
     samples = _samples()
-    store = FeatureStore(_write(str(tmp_path / "store"), samples))
-    files = {e.id: os.path.basename(e.file) for e in store.manifest.samples}
-    recorder = _Recorder(store_mod.safe_open)
-    monkeypatch.setattr(store_mod, "safe_open", recorder)
+    row_bytes = WIDTH * 8
+    root = _write(str(tmp_path / "store"), samples, chunk_bytes=chunk_rows * row_bytes)
+    store = FeatureStore(root, verify="lazy")
+    assert store.manifest.chunk_rows == chunk_rows
+    checked = []
+    real_check = store_mod.FeatureStore._check_chunk
+
+    def check(self, entry, k, chunk):
+        checked.append((entry.id, k))
+        return real_check(self, entry, k, chunk)
+
+    monkeypatch.setattr(store_mod.FeatureStore, "_check_chunk", check)
     for world in (1, 2, 3, 4):
         for block in (4, 16):
             rebuilt = {
@@ -123,18 +93,26 @@ def test_a_rank_reads_only_its_zigzag_intervals(tmp_path, monkeypatch):
                     store, rank=rank, world_size=world, block_size=block, pad_token_id=7
                 )
                 for i, (sid, ids, mask, _) in enumerate(samples):
-                    recorder.reads.clear()
+                    checked.clear()
+                    start = store.bytes_read
+                    store.read_tokens(sid)
+                    tokens = store.bytes_read - start  # header + tokens + mask, which ds[i] reads too
+                    before = (store.bytes_read, store.bytes_hashed)
                     item = ds[i]
                     n = len(ids)
                     zig = ZigzagShards(-(-n // block) * block, block, world)
-                    wanted = [(lo, min(hi, n)) for lo, hi in zig.rank_intervals(rank)]
-                    hidden_reads = [(lo, hi) for f, name, lo, hi in recorder.reads if name == "hidden_states"]
-                    assert hidden_reads == wanted, (world, block, rank, sid)
-                    assert all(f == files[sid] for f, *_ in recorder.reads)
-                    # the bytes handed out are the rank's share, not the sequence
-                    assert sum(hi - lo for lo, hi in hidden_reads) == sum(hi - lo for lo, hi in wanted)
-                    if world > 1 and n > block:
-                        assert sum(hi - lo for lo, hi in hidden_reads) < n
+                    wanted = [(lo, min(hi, n)) for lo, hi in zig.rank_intervals(rank) if min(hi, n) > lo]
+                    rounded = [(lo // chunk_rows * chunk_rows, min(-(-hi // chunk_rows) * chunk_rows, n))
+                               for lo, hi in wanted]  # fmt: skip
+                    chunks = sorted(k for lo, hi in wanted for k in range(lo // chunk_rows, -(-hi // chunk_rows)))
+                    assert sorted(k for s_, k in checked) == chunks and {s_ for s_, _ in checked} <= {sid}
+                    read = store.bytes_read - before[0] - tokens
+                    assert read == sum(hi - lo for lo, hi in rounded) * row_bytes, (world, block, rank, sid)
+                    assert store.bytes_hashed - before[1] == store.bytes_read - before[0]  # every byte read, hashed
+                    # the rows read are the rank's share, plus at most a partial chunk at each end
+                    assert sum(hi - lo for lo, hi in rounded) <= sum(hi - lo for lo, hi in wanted) + 2 * (chunk_rows - 1) * len(wanted)
+                    if world > 1 and n > 2 * block:
+                        assert len(set(chunks)) * chunk_rows < n
                     # tokens whole and padded; rows zero on padding
                     assert item.seq_len == zig.seq_len and item.intervals == zig.rank_intervals(rank)
                     assert torch.equal(item.positions, zig.rank_positions(rank))

@@ -185,7 +185,7 @@ def test_shipped_drafter_configs_meet_the_contract_at_full_size(path):
     config = DFlashConfig(**{k: v for k, v in raw.items() if k != "model_type"})
     config.validate_dflash()
     with torch.device("meta"):  # real shapes, no memory
-        model = DFlash2DraftModel(config)
+        model = (DFlash2DraftModel if config.is_dflash2 else DFlashDraftModel)(config)
     report = check_export(raw, {k: tuple(v.shape) for k, v in model.state_dict().items()})
     assert report.ok and raw["dflash_config"]["target_layer_ids"] == config.target_layer_ids
     assert max(config.target_layer_ids) <= config.target_num_layers - 2  # capture points exist in the target

@@ -185,7 +185,8 @@ def _reduced(raw: dict) -> dict:
     size, conv taps, selector top-k, vocabulary and mask token; narrower hidden / head / MLP / selector rank."""
     cfg = copy.deepcopy(raw)
     cfg.update(hidden_size=64, head_dim=8, intermediate_size=96)
-    cfg["dflash_config"].update(selector_rank=8, conv_group_size=16)
+    if "selector_rank" in cfg["dflash_config"]:  # DFlash2 (a DFlash v1 config has no conv or selector)
+        cfg["dflash_config"].update(selector_rank=8, conv_group_size=16)
     return cfg
 
 
@@ -197,7 +198,7 @@ def test_shipped_drafter_configs_load_exactly_in_sglang(tmp_path, version, path)
     config = DFlashConfig(**{k: v for k, v in raw.items() if k != "model_type"})
     config.validate_dflash()
     torch.manual_seed(0)
-    model = DFlash2DraftModel(config)
+    model = (DFlash2DraftModel if config.is_dflash2 else DFlashDraftModel)(config)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)

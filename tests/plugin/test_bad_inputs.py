@@ -99,6 +99,10 @@ def test_flags_fields_and_overrides_resolve_to_the_same_layout(tmp_path):
     assert prepare_run(_write(tmp_path), [], csbp=True).options.regather is False
     assert prepare_run(_write(tmp_path), [], csbp=True).options.prefetch_features is True
     assert prepare_run(_write(tmp_path), ["csbp.prefetch_features=false"], csbp=True).options.prefetch_features is False
+    assert prepare_run(_write(tmp_path), [], csbp=True).options.store_verify == "lazy"
+    assert prepare_run(_write(tmp_path), ["csbp.store_verify=trust"], csbp=True).options.store_verify == "trust"
+    with pytest.raises(ValueError, match="store_verify"):
+        prepare_run(_write(tmp_path), ["csbp.store_verify=full"], csbp=True)
     assert prepare_run(_write(tmp_path), [], csbp=True).options.gather_ahead is True
     assert prepare_run(_write(tmp_path), ["csbp.gather_ahead=false"], csbp=True).options.gather_ahead is False
     assert prepare_run(_write(tmp_path), [], csbp=True).options.compile == "auto"

@@ -27,7 +27,7 @@ TOL = 1e-10
 
 def _store(root, samples):
     with FeatureStoreWriter(root, target=TargetInfo(name="tiny"), target_layer_ids=[1, 4], hidden_size=32,
-                            dtype="float64") as w:  # fmt: skip
+                            dtype="float64", chunk_bytes=8 * 64 * 8) as w:  # 8-row checksummed chunks  # fmt: skip
         for i, s in enumerate(samples):
             w.add(str(i), s.input_ids, s.loss_mask.long(), s.features)
     return root
@@ -84,8 +84,10 @@ def _worker(rank, world, out_dir):
             g = p.grad.detach().clone()
             dist.all_reduce(g)
             errors[n] = float((g - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-300))
+        files = sum(os.path.getsize(os.path.join(root, e.file)) for e in tm.store.manifest.samples[:2])
         runs[gather_ahead] = {"errors": errors, "in_forward": in_forward, "in_worker": in_worker,
-                              "inflight": len(tm._jobs._held), "built_ahead": sorted(set(built_ahead))}  # fmt: skip
+                              "inflight": len(tm._jobs._held), "built_ahead": sorted(set(built_ahead)),
+                              "store": {"read": tm.store.bytes_read, "hashed": tm.store.bytes_hashed, "files": files}}  # fmt: skip
     prefetch.plan_attention = plan_attention
     if rank == 0:
         save_results(out_dir, {str(k).lower(): v for k, v in runs.items()})
@@ -116,3 +118,12 @@ def test_plugin_module_builds_masks_in_the_worker_and_keeps_them(results, gather
     run = results[gather_ahead]
     assert run["in_worker"] > 0 and run["in_forward"] > 0, run
     assert run["inflight"] == 2  # both samples' masks held until the next micro-step
+
+
+@pytest.mark.parametrize("gather_ahead", ["true", "false"])
+def test_the_step_hashes_exactly_the_store_bytes_it_reads(results, gather_ahead):
+    """The plugin's store (csbp.store_verify lazy): every byte the micro-step read was hashed, and a CSBP
+    rank of 2 read about its half of the two samples, not their whole files."""
+    store = results[gather_ahead]["store"]
+    assert store["hashed"] == store["read"] > 0, store
+    assert store["read"] < 0.8 * store["files"], store

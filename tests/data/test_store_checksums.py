@@ -1,0 +1,160 @@
+"""Per-chunk checksums of the feature store: a flipped byte in the rows a rank reads stops that read, naming
+the file; rows a rank does not read are not read (nor hashed); no whole-file pass on a read; older stores
+load with a notice and the whole-file check; the hash follows what is installed."""
+
+import hashlib
+import json
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+import specforge_csbp.data.store as store_mod
+from specforge_csbp.data import FeatureStore, FeatureStoreWriter, ShardedFeatureDataset, TargetInfo
+from specforge_csbp.data.checksums import chunk_hash_name, hasher, tensor_spans
+from specforge_csbp.layout import ZigzagShards
+
+WIDTH, LENGTH, ROWS = 6, 48, 5  # 5-row chunks: not aligned with the 4-token blocks
+
+
+def _write(root, n=2, chunk_rows=ROWS, dtype="bfloat16"):
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    with FeatureStoreWriter(root, target=TargetInfo(name="t"), target_layer_ids=[0, 1], hidden_size=WIDTH // 2,
+                            dtype=dtype, chunk_bytes=chunk_rows * WIDTH * getattr(torch, dtype).itemsize) as w:  # fmt: skip
+        for i in range(n):
+            ids, mask = torch.randint(0, 99, (LENGTH,), generator=g), torch.ones(LENGTH, dtype=torch.long)
+            hidden = torch.randn(LENGTH, WIDTH, generator=g)
+            w.add(f"s{i}", ids, mask, hidden)
+            samples.append((ids, hidden.to(getattr(torch, dtype))))
+    return root, samples
+
+
+def _flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def _hidden_start(path):
+    with open(path, "rb") as f:
+        return tensor_spans(f, path)["hidden_states"].start
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_flipped_byte_in_any_rows_a_rank_reads_stops_that_read_naming_the_file(tmp_path, world):
+    root, samples = _write(str(tmp_path / "store"))
+    victim = os.path.join(root, "samples", "00000001.safetensors")
+    start, row_bytes = _hidden_start(victim), WIDTH * 2
+    clean = open(victim, "rb").read()
+    zig = ZigzagShards(LENGTH, 4, world)
+    for row in range(0, LENGTH, 3):  # every chunk, several rows of each
+        open(victim, "wb").write(clean)
+        _flip(victim, start + row * row_bytes + 3)
+        store = FeatureStore(root, verify="lazy")
+        chunk = row // ROWS
+        for rank in range(world):
+            ds = ShardedFeatureDataset(store, rank=rank, world_size=world, block_size=4)
+            assert torch.equal(ds[0].hidden_states, samples[0][1][zig.rank_positions(rank)])  # other sample: fine
+            read_chunks = {c for lo, hi in zig.rank_intervals(rank) for c in range(lo // ROWS, -(-hi // ROWS))}
+            if chunk in read_chunks:
+                with pytest.raises(ValueError) as err:
+                    ds[1]
+                lo, hi = chunk * ROWS, min(chunk * ROWS + ROWS, LENGTH) - 1
+                assert str(err.value) == (f"corrupted store file {victim}: hidden_states rows {lo}-{hi} (chunk "
+                                          f"{chunk}) differ from the manifest's {store.manifest.chunk_hash} checksum")
+            else:  # the flipped row is on another rank: this rank reads (and hashes) none of it
+                assert torch.equal(ds[1].hidden_states, samples[1][1][zig.rank_positions(rank)])
+    with open(victim, "rb") as f:
+        spans = tensor_spans(f, victim)
+    for offset in (3, 30, spans["input_ids"].start + 1, spans["loss_mask"].end - 8):  # header length, header, ...
+        open(victim, "wb").write(clean)
+        _flip(victim, offset)
+        with pytest.raises(ValueError, match=f"corrupted (or missing )?store file {victim}: (its header|unreadable header)"):
+            FeatureStore(root, verify="lazy").read_tokens("s1")
+
+
+def test_reads_never_pass_over_a_whole_file(tmp_path, monkeypatch):
+    root, samples = _write(str(tmp_path / "store"))
+    store = FeatureStore(root, verify="lazy", read_threads=3)
+
+    def whole_file(path, *a, **k):
+        raise AssertionError(f"whole-file hash of {path} on the read path")
+
+    monkeypatch.setattr(store_mod, "file_sha256", whole_file)
+    store.read_tokens("s0")
+    tokens = store.bytes_read
+    assert store.bytes_hashed == tokens  # header + tokens + mask: every byte outside the rows, once
+    rows = store.read_intervals("s0", [(10, 20)])  # chunks 2-3: rows 10..19, nothing else
+    assert torch.equal(rows, samples[0][1][10:20])
+    assert store.bytes_read - tokens == store.bytes_hashed - tokens == 10 * WIDTH * 2
+    rows = store.read_intervals("s1", [(7, 31)])  # rounded out to chunks 1..6 = rows 5..34, over 3 threads
+    assert torch.equal(rows, samples[1][1][7:31])
+    assert store.bytes_read - tokens == store.bytes_hashed - tokens == (10 + 30) * WIDTH * 2
+    size = os.path.getsize(os.path.join(root, "samples", "00000001.safetensors"))
+    assert 30 * WIDTH * 2 < size - (18 * WIDTH * 2)  # the read was a part of the file, not all of it
+
+
+def test_trust_reads_exactly_the_rows_and_hashes_nothing(tmp_path):
+    root, samples = _write(str(tmp_path / "store"))
+    store = FeatureStore(root, verify="trust")
+    assert torch.equal(store.read_intervals("s1", [(7, 31), (40, 41)]), samples[1][1][[*range(7, 31), 40]])
+    assert (store.bytes_read, store.bytes_hashed) == (25 * WIDTH * 2, 0)
+
+
+def test_a_store_from_before_chunk_checksums_loads_with_a_notice_and_the_whole_file_check(tmp_path, capsys):
+    root, samples = _write(str(tmp_path / "store"))
+    path = os.path.join(root, "manifest.json")
+    manifest = json.load(open(path))
+    for key in ("chunk_hash", "chunk_rows"):
+        del manifest[key]
+    for entry in manifest["samples"]:
+        del entry["chunk_digests"], entry["other_digest"]
+    open(path, "w").write(json.dumps(manifest))
+    store = FeatureStore(root, verify="lazy")
+    notice = capsys.readouterr().err.strip()
+    assert len(notice.splitlines()) == 1 and root in notice and "sha256 at its first read" in notice
+    assert torch.equal(store.read_intervals("s0", [(0, LENGTH)]), samples[0][1])
+    victim = os.path.join(root, "samples", "00000001.safetensors")
+    _flip(victim, _hidden_start(victim) + 40 * WIDTH * 2)
+    with pytest.raises(ValueError, match=f"corrupted store file {victim}: sha256 differs from the manifest"):
+        store.read_intervals("s1", [(0, 4)])  # the whole-file check runs on the first read, whatever the rows
+    FeatureStore(root, verify="trust").read_intervals("s1", [(0, 4)])
+    assert capsys.readouterr().err == ""  # trust and full stores say nothing: their check is unchanged
+
+
+def test_the_hash_follows_what_is_installed(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "xxhash", None)  # not installed: the standard library's CRC-32
+    assert chunk_hash_name() == "crc32"
+    with pytest.raises(ValueError, match="install the `xxhash` package"):
+        hasher("xxh3_64")
+    with pytest.raises(ValueError, match="chunk_hash must be one of xxh3_64, crc32; got 'md5'"):
+        hasher("md5")
+    # installed (a stand-in with xxhash's function, so this runs without the package): new stores use it
+    fake = types.ModuleType("xxhash")
+    fake.xxh3_64_hexdigest = lambda buf: hashlib.blake2b(buf, digest_size=8).hexdigest()
+    monkeypatch.setitem(sys.modules, "xxhash", fake)
+    root, samples = _write(str(tmp_path / "store"))
+    store = FeatureStore(root, verify="lazy")
+    assert store.manifest.chunk_hash == "xxh3_64"
+    assert store.manifest.samples[0].chunk_digests[0] == fake.xxh3_64_hexdigest(
+        samples[0][1][:ROWS].contiguous().view(torch.uint8).numpy().tobytes()
+    )
+    victim = os.path.join(root, "samples", "00000000.safetensors")
+    _flip(victim, _hidden_start(victim) + 7 * WIDTH * 2)
+    with pytest.raises(ValueError, match="rows 5-9 \\(chunk 1\\) differ from the manifest's xxh3_64 checksum"):
+        store.read_intervals("s0", [(6, 8)])
+
+
+def test_a_manifest_with_the_wrong_number_of_chunk_checksums_is_one_line(tmp_path):
+    root, _ = _write(str(tmp_path / "store"))
+    path = os.path.join(root, "manifest.json")
+    manifest = json.load(open(path))
+    manifest["samples"][1]["chunk_digests"].pop()
+    open(path, "w").write(json.dumps(manifest))
+    with pytest.raises(ValueError, match="sample 's1' has 9 chunk checksums, its 48 rows in chunks of 5 need 10"):
+        FeatureStore(root, verify="trust")
