@@ -25,8 +25,10 @@ from tests.test_no_import_cycles import PACKAGE, import_graph
 ORDER = [
     "",  # the package root: __version__ only
     "layout",
+    "values",  # the one parser per kind of value (sizes, override values)
     "preflight",
     "errors",  # reads a user's files through preflight.check_input_file
+    "compat",  # the one pair check: two artifacts a command combines, compared field by field
     "outputs",
     "devices",
     "masks",

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from ..errors import load_json
 from ..preflight import check_input_file, check_writable_dir
+from ..values import size_arg
 
 __all__ = ["layer_ids_from_draft_config", "parse_layer_ids", "register", "run"]
 
@@ -72,14 +73,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="feature store directory to create")
     p.add_argument("--target-layer-ids", help="comma-separated target layer ids, e.g. 1,9,17,25,33")
     p.add_argument("--draft-config", help="drafter config JSON with dflash_config.target_layer_ids")
-    p.add_argument("--max-length", type=int, default=4096, help="truncate samples to this many tokens")
+    p.add_argument("--max-length", type=size_arg("--max-length"), default=4096, help="truncate samples to this many tokens")
     p.add_argument("--num-samples", type=int, default=None, help="stop after this many stored samples")
     p.add_argument("--dtype", choices=_DTYPES, default="float32", help="target compute dtype")
     p.add_argument(
         "--store-dtype", choices=_DTYPES, default=None, help="feature dtype on disk (default --dtype)"
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--chunk-size", type=int, default=0, help="prefill chunk in tokens (0 = whole sample)")
+    p.add_argument("--chunk-size", type=size_arg("--chunk-size", minimum=0), default=0, help="prefill chunk in tokens (0 = whole sample)")
     p.add_argument("--seed", type=int, default=0, help="seed of a random-weight target")
     p.add_argument("--save-target", help="also write the instantiated target (weights + tokenizer) here")
     p.add_argument("--attn-implementation", default="sdpa", help="transformers attention (sdpa, eager, ...)")

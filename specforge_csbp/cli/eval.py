@@ -19,6 +19,7 @@ import os
 from ..outputs import write_json_atomic
 
 from ..eval.choices import DEVICES, DTYPES
+from ..values import size_arg
 
 __all__ = ["register", "run"]
 
@@ -35,12 +36,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--store", help="feature store directory (its samples' prompts)")
     p.add_argument("--split", default=None, help="held-out split of --store (default: every sample)")
     p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts (default: all)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=size_arg("--max-new-tokens"), default=64)
     p.add_argument("--device", choices=DEVICES, default="auto")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--untrained", action="store_true",
                    help="a freshly initialised drafter of the same config (seeded): the baseline")  # fmt: skip
-    p.add_argument("--prefill-chunk", type=int, default=8192, help="prefill chunk in tokens (0: one pass)")
+    p.add_argument("--prefill-chunk", type=size_arg("--prefill-chunk", minimum=0), default=8192, help="prefill chunk in tokens (0: one pass)")
     p.add_argument("--seed", type=int, default=0, help="seed of --untrained and of a weightless target")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop a prompt at the target's EOS")
     p.add_argument("--bucket-edges", default=None,

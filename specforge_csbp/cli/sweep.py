@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     points, invalid = build_grid(
-        args.workload, parse_sizes(args.contexts), modes, _ints(args.world_sizes, "world_sizes"),
+        args.workload, parse_sizes(args.contexts, field="--contexts"), modes, _ints(args.world_sizes, "world_sizes"),
         _ints(args.block_sizes, "block_sizes"), args.args,
     )  # fmt: skip
 

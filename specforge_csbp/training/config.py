@@ -13,10 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..errors import format_validation_error, load_yaml
+from ..values import parse_override
 
 __all__ = [
     "ParallelConfig",
@@ -135,13 +135,6 @@ class TrainConfig(Section):
         return self
 
 
-def _parse_value(text: str) -> Any:
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-
-
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested dict, in place."""
     for item in overrides:
@@ -155,7 +148,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(child, dict):
                 raise ValueError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not a section")
             node = child
-        node[parts[-1]] = _parse_value(value)
+        node[parts[-1]] = parse_override(value)
     return data
 
 

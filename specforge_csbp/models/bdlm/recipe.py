@@ -18,6 +18,7 @@ from ...layout.plans import check_bdlm_shape
 from ...objectives.convert import ConvertObjective
 from ...objectives.sft import SFTObjective
 from ...training.config import ParallelConfig, Section, TrainConfig
+from ...values import Size
 from .adapter import BDLMModel
 from .data import JsonlSource, SyntheticSource
 from .routing import check_routable, check_windows
@@ -44,7 +45,7 @@ class ModelSection(Section):
 class DataSection(Section):
     source: Literal["synthetic", "jsonl"] = "synthetic"
     path: str | None = None
-    max_length: int = Field(
+    max_length: Size = Field(
         256, ge=1, description="clean tokens per sequence; a multiple of model.block_size"
     )
     pad_token_id: int = Field(0, ge=0)
@@ -67,7 +68,7 @@ class ObjectiveSection(Section):
     weighting: Literal["inv_t", "unit"] = "inv_t"
     denominator: Literal["eligible", "masked"] = "eligible"
     exclude_mask_from_softmax: bool = True
-    ce_chunk_size: int = Field(4096, ge=1)
+    ce_chunk_size: Size = Field(4096, ge=1)
     router_aux_loss_coef: float | None = Field(
         None, ge=0, description="MoE load-balancing loss weight; default: the model config's "
         "router_aux_loss_coef when config.output_router_logits, else 0"

@@ -1,0 +1,87 @@
+"""One parser per kind of value a user writes, shared by every flag and every config field.
+
+    parse_size("64K") -> 65536        token counts and lengths: an integer with an optional K/M/G suffix
+                                      (K = 1024), the same on a command line flag, in a YAML recipe and in an
+                                      override (`data.max_length=64K`, `--max-length 64K`, `--contexts 64K,1M`)
+    parse_sizes("4K,64K")             a comma-separated list of sizes (or a list of such strings)
+    parse_override("[1, 2]")          the value of a `section.field=value` override, read as YAML reads the
+                                      same text in a file, so a value the YAML accepts the override accepts
+    size_arg("--max-length")          argparse `type=` for a size flag (one-line error naming the flag)
+    Size                              the pydantic type of a size field (`data.max_length: Size`)
+
+Torch-free, so the CLI parser can use it without starting torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BeforeValidator
+
+__all__ = ["Size", "parse_override", "parse_size", "parse_sizes", "size_arg"]
+
+_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KkMmGg]?)\s*")
+
+
+def parse_size(value: Any, *, field: str = "context", minimum: int = 1) -> int:
+    """'65536', '64K', '1M', '1.5K', 4096 -> tokens (K = 1024); the result must be a whole number >= `minimum`."""
+    allowed = f"{field} must be an integer >= {minimum} with an optional K/M/G suffix (like 4096, 64K, 1M)"
+    if isinstance(value, bool):
+        raise ValueError(f"{allowed}; got {value!r}")
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, float) and value.is_integer():
+        number = int(value)
+    elif isinstance(value, str) and (m := _SIZE.fullmatch(value)):
+        scaled = float(m.group(1)) * _SUFFIX[m.group(2).upper()]
+        if not scaled.is_integer():
+            raise ValueError(f"{allowed}; got {value!r} (not a whole number of tokens)")
+        number = int(scaled)
+    else:
+        raise ValueError(f"{allowed}; got {value!r}")
+    if number < minimum:
+        raise ValueError(f"{allowed}; got {value!r}")
+    return number
+
+
+def parse_sizes(text: str | Sequence[str], *, field: str = "context") -> list[int]:
+    """Comma-separated (or a list of) sizes, deduplicated and sorted."""
+    items = text.split(",") if isinstance(text, str) else [p for t in text for p in str(t).split(",")]
+    return sorted({parse_size(t, field=field) for t in items if t.strip()})
+
+
+def parse_override(text: str) -> Any:
+    """The value of `section.field=value`, parsed as the same text is in a YAML file (a string otherwise)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def size_arg(flag: str, *, minimum: int = 1) -> Callable[[str], int]:
+    """argparse `type=` of a size flag: `--max-length 64K`; a bad value is argparse's one-line usage error."""
+
+    def parse(text: str) -> int:
+        try:
+            return parse_size(text, field=flag, minimum=minimum)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err).removeprefix(f"{flag} ")) from None
+
+    parse.__name__ = "size"  # argparse names the type in its message: "invalid size value"
+    return parse
+
+
+def _size_field(value: Any) -> Any:
+    # the field name is pydantic's (its error names the field): only the shape of the value is said here
+    if isinstance(value, (str, float)) and not isinstance(value, bool):
+        return parse_size(value, field="a size", minimum=0)
+    return value
+
+
+#: a size field of a config model: an int, or a string with a K/M/G suffix; bounds stay the field's own
+Size = Annotated[int, BeforeValidator(_size_field)]
