@@ -2,6 +2,10 @@
 or a step runs is checked here, once, with one line naming the field and what is allowed.
 
     check_writable_dir      an output directory: not a file, no file on its path, writable (created later)
+    check_writable_file     an output file: not a directory, its directory writable - before the work that
+                            fills it (an eval's decoding, an export, a report)
+    check_finite_tensors    loaded weights: no NaN / inf, naming the tensor and the file (eval, export, warm
+                            start, resume)
     check_input_file        an input that must be a file (not a directory, present); errors.py's readers
                             check every file they read with it
     check_finite            every float of a config (nested dicts/lists): no NaN, no +-inf
@@ -21,12 +25,14 @@ from typing import Any
 
 __all__ = [
     "check_finite",
+    "check_finite_tensors",
     "check_flex_backend_on_cpu",
     "check_input_file",
     "check_local_path",
     "check_outside",
     "check_store_trainable",
     "check_writable_dir",
+    "check_writable_file",
 ]
 
 
@@ -46,6 +52,36 @@ def check_writable_dir(path: str | os.PathLike, field: str) -> None:
     if not os.access(probe, os.W_OK | os.X_OK):
         what = "is not writable" if probe == path else f"cannot be created: {probe} is not writable"
         raise ValueError(f"{field}: {path} {what}; choose a directory this user can write")
+
+
+def check_writable_file(path: str | os.PathLike, field: str, *, must_exist_dir: bool = True) -> None:
+    """Raise unless a file can be written at `path`: not a directory, its directory present (or, with
+    `must_exist_dir=False`, creatable) and writable. Creates nothing."""
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{field}: {path} is a directory; give a file name")
+    parent = os.path.dirname(path)
+    if must_exist_dir and not os.path.isdir(parent):
+        what = "is a file" if os.path.exists(parent) else "does not exist"
+        raise ValueError(f"{field}: the directory {parent} {what}; create it or choose another path")
+    check_writable_dir(parent, field)
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ValueError(f"{field}: {path} is not writable; choose a file this user can write")
+
+
+def check_finite_tensors(tensors, field: str, source: str | os.PathLike) -> None:
+    """Raise for the first tensor of `tensors` (a name -> tensor mapping) holding NaN or inf: a drafter with
+    one non-finite weight would evaluate, export and train on as if nothing were wrong."""
+    for name, tensor in tensors.items():
+        if not hasattr(tensor, "is_floating_point") or not tensor.is_floating_point():
+            continue
+        bad = ~tensor.isfinite()
+        if bool(bad.any()):
+            count = int(bad.sum())
+            raise ValueError(
+                f"{field}: {source}: tensor {name!r} has {count} non-finite value(s) (NaN or inf) of "
+                f"{tensor.numel()}; these weights cannot be used - take an earlier checkpoint"
+            )
 
 
 def check_input_file(path: str | os.PathLike, field: str) -> str:

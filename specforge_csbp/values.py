@@ -7,6 +7,7 @@
     parse_override("[1, 2]")          the value of a `section.field=value` override, read as YAML reads the
                                       same text in a file, so a value the YAML accepts the override accepts
     size_arg("--max-length")          argparse `type=` for a size flag (one-line error naming the flag)
+    token_ids(value, "input_ids", where)   a record's token ids: a non-empty flat list of integers >= 0
     Size                              the pydantic type of a size field (`data.max_length: Size`)
 
 Torch-free, so the CLI parser can use it without starting torch.
@@ -22,7 +23,7 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BeforeValidator
 
-__all__ = ["Size", "parse_override", "parse_size", "parse_sizes", "size_arg"]
+__all__ = ["Size", "parse_override", "parse_size", "parse_sizes", "size_arg", "token_ids"]
 
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KkMmGg]?)\s*")
@@ -74,6 +75,21 @@ def size_arg(flag: str, *, minimum: int = 1) -> Callable[[str], int]:
 
     parse.__name__ = "size"  # argparse names the type in its message: "invalid size value"
     return parse
+
+
+def token_ids(value: Any, field: str, where: str) -> list[int]:
+    """`value` as token ids, or a one-line error naming `field` and `where` (file:line): a flat, non-empty
+    list of integers >= 0 (no floats - 2.7 would become 2 -, no booleans, no nested lists)."""
+    ok = isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                   for t in value)  # fmt: skip
+    if not ok:
+        shown = repr(value)[:60]
+        nested = " (a list of lists: give one prompt per record)" if isinstance(value, list) and any(
+            isinstance(t, list) for t in value) else ""  # fmt: skip
+        raise ValueError(
+            f"{field}: {where} must be a non-empty list of non-negative integers (token ids){nested}; got {shown}"
+        )
+    return list(value)
 
 
 def _size_field(value: Any) -> Any:

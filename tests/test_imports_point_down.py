@@ -28,7 +28,6 @@ ORDER = [
     "values",  # the one parser per kind of value (sizes, override values)
     "preflight",
     "errors",  # reads a user's files through preflight.check_input_file
-    "compat",  # the one pair check: two artifacts a command combines, compared field by field
     "outputs",
     "devices",
     "masks",
@@ -39,6 +38,7 @@ ORDER = [
     "models",
     "data",
     "assets",  # the tiny target is written through data.capture
+    "compat",  # the one pair check of two artifacts a command combines (reads data.manifest's config hash)
     "bench",  # records, plots, runners: below the planner, whose calibration reads records
     "planner",  # cost / memory model over the models' plans and the objectives' chunking
     "training",  # activation_checkpointing: auto asks the planner's memory model

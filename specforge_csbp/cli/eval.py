@@ -17,6 +17,7 @@ import argparse
 import os
 
 from ..outputs import write_json_atomic
+from ..preflight import check_writable_file
 
 from ..eval.choices import DEVICES, DTYPES
 from ..values import size_arg
@@ -56,31 +57,33 @@ def run(args: argparse.Namespace) -> int:
     # lazy: CLI start-up
     from ..eval.metrics import BUCKET_EDGES, parse_bucket_edges
     from ..eval.prompts import jsonl_prompts, store_prompts
-    from ..eval.run import EvalOptions, evaluate, plot_tau, summary_line
+    from ..eval.run import EvalOptions, evaluate, plot_tau, prepare, summary_line
 
     if args.num_prompts is not None and args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1; got {args.num_prompts}")
     if args.split is not None and args.store is None:
         raise ValueError("--split: only with --store (a split of a feature store)")
     edges = BUCKET_EDGES if args.bucket_edges is None else parse_bucket_edges(args.bucket_edges)
-    for flag, path in (("--out", args.out), ("--plot", args.plot)):
-        parent = os.path.dirname(os.path.abspath(path)) if path else None
-        if parent and not os.path.isdir(parent):
-            raise ValueError(f"{flag}: the directory {parent} does not exist")
-    if args.prompts is not None:
-        prompts = jsonl_prompts(args.prompts, args.target, args.num_prompts)
-    else:
-        prompts = store_prompts(args.store, args.split, args.num_prompts)
+    plot = args.plot or (os.path.splitext(args.out)[0] + ".png" if args.out else None)
+    for flag, path in (("--out", args.out), ("--plot", plot)):
+        if path:  # before the decoding that fills them
+            check_writable_file(path, flag)
+    if args.plot and args.out and os.path.abspath(args.plot) == os.path.abspath(args.out):
+        raise ValueError(f"--plot: {args.plot} is also --out; give the PNG its own file")
     options = EvalOptions(
         drafter=args.drafter, target=args.target, max_new_tokens=args.max_new_tokens, device=args.device,
         dtype=args.dtype, untrained=args.untrained, prefill_chunk=args.prefill_chunk, seed=args.seed,
         ignore_eos=args.ignore_eos, progress=not args.no_progress, bucket_edges=edges,
     )  # fmt: skip
-    summary = evaluate(options, prompts)
+    prepared = prepare(options)  # the drafter against the target, before any prompt is read
+    if args.prompts is not None:
+        prompts = jsonl_prompts(args.prompts, args.target, args.num_prompts)
+    else:
+        prompts = store_prompts(args.store, args.split, args.num_prompts, target=(args.target, prepared.target_config))
+    summary = evaluate(options, prompts, prepared)
     summary["prompts"] = os.path.abspath(args.prompts or args.store)
     summary["split"] = args.split
     print(summary_line(summary))
-    plot = args.plot or (os.path.splitext(args.out)[0] + ".png" if args.out else None)
     if args.out:
         write_json_atomic(args.out, summary)
         print(f"  json: {os.path.abspath(args.out)}")
