@@ -90,7 +90,10 @@ def _short(digest: str) -> str:
 
 
 def _text(config) -> Any:
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+    """The text model's config of a (possibly multimodal) target; a sub-config left as a plain dict by a
+    config class that does not know it means the top level holds the text model's fields."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return config if isinstance(text, dict) else text
 
 
 def target_side(name: str, config) -> Side:
