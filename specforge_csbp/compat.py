@@ -33,6 +33,7 @@ __all__ = [
     "drafter_side",
     "looks_like_drafter",
     "read_target_config",
+    "sample_identities",
     "store_side",
     "target_side",
 ]
@@ -75,13 +76,21 @@ def check_pair(left: Side, right: Side, *, advice: str) -> None:
             )
 
 
-def check_disjoint(left: Side, left_ids, right: Side, right_ids, *, advice: str) -> None:
-    """Two stores that must not share a sample (training and held-out eval): the first shared id is the error."""
-    shared = sorted(set(left_ids) & set(right_ids))
+def sample_identities(manifest) -> dict[str, str]:
+    """identity -> sample id of a store's samples: the source record's hash where capture recorded it (the
+    same record under any id), else the sample file's hash (the same features)."""
+    return {(e.record_sha256 or e.sha256): e.id for e in manifest.samples}
+
+
+def check_disjoint(left: Side, left_manifest, right: Side, right_manifest, *, advice: str) -> None:
+    """Two stores that must not share a sample (held-out eval and training): the first shared one is the error."""
+    a, b = sample_identities(left_manifest), sample_identities(right_manifest)
+    shared = sorted(a.keys() & b.keys(), key=lambda k: a[k])
     if shared:
         raise ValueError(
-            f"{left.name} and {right.name} share {len(shared)} sample(s) (first: {shared[0]!r}); a held-out "
-            f"store must hold no training sample; {advice}"
+            f"{left.name} and {right.name} share {len(shared)} sample(s) (first: {a[shared[0]]!r} in "
+            f"{left.label}, {b[shared[0]]!r} in {right.label}); a held-out store must hold no training sample; "
+            f"{advice}"
         )
 
 
