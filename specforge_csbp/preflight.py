@@ -4,6 +4,8 @@ or a step runs is checked here, once, with one line naming the field and what is
     check_writable_dir      an output directory: not a file, no file on its path, writable (created later)
     check_writable_file     an output file: not a directory, its directory writable - before the work that
                             fills it (an eval's decoding, an export, a report)
+    check_weights_dir       a from_pretrained directory meant to be loaded with its weights: weights files
+                            present and none of them empty
     check_finite_tensors    loaded weights: no NaN / inf, naming the tensor and the file (eval, export, warm
                             start, resume)
     check_input_file        an input that must be a file (not a directory, present); errors.py's readers
@@ -31,9 +33,12 @@ __all__ = [
     "check_local_path",
     "check_outside",
     "check_store_trainable",
+    "check_weights_dir",
     "check_writable_dir",
     "check_writable_file",
 ]
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
 
 
 def check_writable_dir(path: str | os.PathLike, field: str) -> None:
@@ -67,6 +72,23 @@ def check_writable_file(path: str | os.PathLike, field: str, *, must_exist_dir: 
     check_writable_dir(parent, field)
     if os.path.exists(path) and not os.access(path, os.W_OK):
         raise ValueError(f"{field}: {path} is not writable; choose a file this user can write")
+
+
+def check_weights_dir(path: str | os.PathLike, field: str) -> None:
+    """A local from_pretrained directory must hold weights files, none of them empty (a zero-byte or missing
+    weights file otherwise surfaces as a rank's transformers message naming neither the file nor the field)."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        return  # a hub name, or a missing path (check_local_path's error)
+    files = sorted(n for n in os.listdir(path) if n.endswith(_WEIGHT_SUFFIXES))
+    if not files:
+        raise ValueError(
+            f"{field}: {path} has no weights (no *.safetensors or *.bin file; only a config?); give a "
+            "save_pretrained directory with its weights, or model.config for random weights"
+        )
+    for name in files:
+        if os.path.getsize(os.path.join(path, name)) == 0:
+            raise ValueError(f"{field}: {os.path.join(path, name)} is empty (0 bytes); re-copy or re-save the weights")
 
 
 def check_finite_tensors(tensors, field: str, source: str | os.PathLike) -> None:

@@ -18,6 +18,7 @@ from ...layout.plans import check_bdlm_shape
 from ...objectives.convert import ConvertObjective
 from ...objectives.sft import SFTObjective
 from ...training.config import ParallelConfig, Section, TrainConfig
+from ...preflight import check_local_path, check_weights_dir
 from ...values import Size
 from .adapter import BDLMModel
 from .data import JsonlSource, SyntheticSource
@@ -101,6 +102,8 @@ def _hf_config(model: ModelSection):
     from transformers import AutoConfig
 
     if model.pretrained is not None:
+        check_local_path(model.pretrained, "model.pretrained")
+        check_weights_dir(model.pretrained, "model.pretrained")
         try:
             return AutoConfig.from_pretrained(model.pretrained)
         except (OSError, ValueError) as err:
