@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .data.manifest import config_hash
+from .errors import load_json
 
 __all__ = [
     "WHY",
@@ -145,8 +146,6 @@ def read_target_config(path: str, field: str = "--target"):
     """A target model's transformers config, read before any weight: a missing path, a directory without a
     config, a drafter given as the target (swapped arguments) or an unreadable config is one line."""
     from transformers import AutoConfig  # lazy: heavy dependency, only for commands that read a target
-
-    from .errors import load_json
 
     if not path or not os.path.exists(path):
         raise ValueError(f"{field}: {path} does not exist (give the target model's directory)")
