@@ -30,6 +30,7 @@ __all__ = [
     "Side",
     "check_disjoint",
     "check_drafter_target",
+    "check_not_a_drafter",
     "check_pair",
     "drafter_side",
     "looks_like_drafter",
@@ -142,6 +143,23 @@ def looks_like_drafter(config: Mapping[str, Any] | Any) -> str | None:
     return found[0] if found else None
 
 
+def check_not_a_drafter(path: str, field: str) -> None:
+    """A target's path (a directory or its config.json) must not hold a drafter: swapped arguments are named
+    as such, before a drafter config is read as a target and fails on something unrelated."""
+    config_file = path if os.path.isfile(path) else os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        return
+    data = load_json(config_file, field)  # not UTF-8 or not JSON: a line naming the file and the line
+    if not isinstance(data, dict):
+        raise ValueError(f"{field}: {config_file} must hold a JSON object (a model config)")  # noqa: TRY004
+    arch = looks_like_drafter(data)
+    if arch is not None:
+        raise ValueError(
+            f"{field}: {path} is a drafter ({arch}), not a target model; were the drafter and the target "
+            "swapped? (the target is the model the drafter was trained for)"
+        )
+
+
 def read_target_config(path: str, field: str = "--target"):
     """A target model's transformers config, read before any weight: a missing path, a directory without a
     config, a drafter given as the target (swapped arguments) or an unreadable config is one line."""
@@ -152,15 +170,7 @@ def read_target_config(path: str, field: str = "--target"):
     config_file = path if os.path.isfile(path) else os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise ValueError(f"{field}: {path} has no config.json; give the target model's directory")
-    data = load_json(config_file, field)  # not UTF-8 or not JSON: a line naming the file and the line
-    if not isinstance(data, dict):
-        raise ValueError(f"{field}: {config_file} must hold a JSON object (a model config)")  # noqa: TRY004
-    arch = looks_like_drafter(data)
-    if arch is not None:
-        raise ValueError(
-            f"{field}: {path} is a drafter ({arch}), not a target model; were the drafter and the target "
-            "swapped? (the target is the model the drafter was trained for)"
-        )
+    check_not_a_drafter(path, field)
     try:
         return AutoConfig.from_pretrained(path if os.path.isdir(path) else os.path.dirname(path) or ".")
     except Exception as err:  # noqa: BLE001 - any unreadable config is the same one-line error

@@ -54,9 +54,25 @@ def check_writable_dir(path: str | os.PathLike, field: str) -> None:
         probe = parent
     if not os.path.isdir(probe):
         raise ValueError(f"{field}: {path} cannot be created: {probe} is a file, not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
+    if not _can_create_in(probe):
         what = "is not writable" if probe == path else f"cannot be created: {probe} is not writable"
         raise ValueError(f"{field}: {path} {what}; choose a directory this user can write")
+
+
+def _can_create_in(directory: str) -> bool:
+    """Whether a file can be created in `directory`, found by creating (and removing) one: permission bits
+    say nothing for root, a read-only mount or a pseudo file system such as /proc."""
+    import tempfile
+
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return False
+    try:
+        fd, name = tempfile.mkstemp(prefix=".write-probe-", dir=directory)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(name)
+    return True
 
 
 def check_writable_file(path: str | os.PathLike, field: str, *, must_exist_dir: bool = True) -> None:

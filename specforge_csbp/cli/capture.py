@@ -195,6 +195,7 @@ def _check_args(args: argparse.Namespace) -> tuple[list[int], float, str | None]
     import torch
 
     # lazy: CLI start-up
+    from ..compat import check_not_a_drafter
     from ..data.split import check_eval_fraction, eval_store_dir
     from ..data.store import check_out_dir
 
@@ -220,6 +221,7 @@ def _check_args(args: argparse.Namespace) -> tuple[list[int], float, str | None]
         raise ValueError(f"--device: {args.device} requested but torch.cuda.is_available() is False")
     if not os.path.exists(args.target):
         raise ValueError(f"--target: {args.target} does not exist (give a checkpoint directory or a config.json)")
+    check_not_a_drafter(args.target, "--target")
     return layer_ids, fraction, eval_out
 
 

@@ -21,6 +21,7 @@ import torch
 
 from ..compat import check_pair, store_side, target_side
 from ..data.samples import check_messages
+from ..data.split import eval_store_dir
 from ..data.store import FeatureStore
 from ..errors import read_jsonl
 from ..values import token_ids
@@ -90,9 +91,12 @@ def _split_ids(store, root: str, split: str) -> list[str]:
     listed = (getattr(store.manifest, "splits", None) or {}).get(split)  # a manifest-level {name: [ids]}
     if listed:
         return [str(i) for i in listed]
+    sibling = eval_store_dir(root)
+    hint = f"; capture --eval-fraction wrote its held-out samples to {sibling}: give --store {sibling}" if (
+        os.path.isdir(sibling)) else ""  # fmt: skip
     raise ValueError(
         f"--split: the store at {root} has no split {split!r} (neither {os.path.join(root, split)}/ "
-        f"nor samples marked split={split!r}); leave --split out to use every sample"
+        f"nor samples marked split={split!r}); leave --split out to use every sample{hint}"
     )
 
 
