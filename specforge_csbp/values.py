@@ -93,9 +93,12 @@ def token_ids(value: Any, field: str, where: str) -> list[int]:
 
 
 def _size_field(value: Any) -> Any:
-    # the field name is pydantic's (its error names the field): only the shape of the value is said here
+    # pydantic's error names the field and the value: only what is allowed is said here
     if isinstance(value, (str, float)) and not isinstance(value, bool):
-        return parse_size(value, field="a size", minimum=0)
+        try:
+            return parse_size(value, field="a size", minimum=0)
+        except ValueError:
+            raise ValueError("must be an integer with an optional K/M/G suffix (like 4096, 64K, 1M)") from None
     return value
 
 

@@ -18,7 +18,7 @@ from ...layout.plans import check_bdlm_shape
 from ...objectives.convert import ConvertObjective
 from ...objectives.sft import SFTObjective
 from ...training.config import ParallelConfig, Section, TrainConfig
-from ...preflight import check_local_path, check_weights_dir
+from ...preflight import check_local_path, check_weights_dir, check_writable_dir
 from ...values import Size
 from .adapter import BDLMModel
 from .data import JsonlSource, SyntheticSource
@@ -126,6 +126,8 @@ def preflight(recipe: BDLMRecipe, world_size: int) -> None:
     whether the model's attention can be routed (checked on a meta-device instance, no weights)."""
     from transformers import AutoModelForCausalLM
 
+    if recipe.train.output_dir is not None:  # in the launcher, before any rank starts (the ranks check it again)
+        check_writable_dir(recipe.train.output_dir, "train.output_dir")
     _, cp = recipe.parallel.degrees(world_size)
     mode = recipe.parallel.mode if cp > 1 else "reference"
     try:
