@@ -103,14 +103,15 @@ def _hf_config(model: ModelSection):
 
     if model.pretrained is not None:
         check_local_path(model.pretrained, "model.pretrained")
-        check_weights_dir(model.pretrained, "model.pretrained")
         try:
-            return AutoConfig.from_pretrained(model.pretrained)
+            config = AutoConfig.from_pretrained(model.pretrained)
         except (OSError, ValueError) as err:
             first = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise ValueError(
                 f"model.pretrained: {model.pretrained} is not a save_pretrained directory ({first})"
             ) from None
+        check_weights_dir(model.pretrained, "model.pretrained")  # a config alone would fail in every rank
+        return config
     cfg = dict(model.config)
     model_type = cfg.pop("model_type", None)
     if model_type is None:
