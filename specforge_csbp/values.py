@@ -7,10 +7,11 @@
     parse_override("[1, 2]")          the value of a `section.field=value` override, read as YAML reads the
                                       same text in a file, so a value the YAML accepts the override accepts
     size_arg("--max-length")          argparse `type=` for a size flag (one-line error naming the flag)
+    size_field                        a pydantic size field's before-validator (training/config.py's `Size`)
     token_ids(value, "input_ids", where)   a record's token ids: a non-empty flat list of integers >= 0
-    Size                              the pydantic type of a size field (`data.max_length: Size`)
 
-Torch-free, so the CLI parser can use it without starting torch.
+Torch- and pydantic-free: the CLI parser uses it without starting torch, the benchmarks on machines without
+pydantic.
 """
 
 from __future__ import annotations
@@ -18,12 +19,9 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Callable, Sequence
-from typing import Annotated, Any
+from typing import Any
 
-import yaml
-from pydantic import BeforeValidator
-
-__all__ = ["Size", "parse_override", "parse_size", "parse_sizes", "size_arg", "token_ids"]
+__all__ = ["parse_override", "parse_size", "parse_sizes", "size_arg", "size_field", "token_ids"]
 
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KkMmGg]?)\s*")
@@ -58,6 +56,8 @@ def parse_sizes(text: str | Sequence[str], *, field: str = "context") -> list[in
 
 def parse_override(text: str) -> Any:
     """The value of `section.field=value`, parsed as the same text is in a YAML file (a string otherwise)."""
+    import yaml  # lazy: only the config readers need it
+
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError:
@@ -92,7 +92,8 @@ def token_ids(value: Any, field: str, where: str) -> list[int]:
     return list(value)
 
 
-def _size_field(value: Any) -> Any:
+def size_field(value: Any) -> Any:
+    """A size field's value before its bounds: a string or float becomes tokens, anything else passes on."""
     # pydantic's error names the field and the value: only what is allowed is said here
     if isinstance(value, (str, float)) and not isinstance(value, bool):
         try:
@@ -100,7 +101,3 @@ def _size_field(value: Any) -> Any:
         except ValueError:
             raise ValueError("must be an integer with an optional K/M/G suffix (like 4096, 64K, 1M)") from None
     return value
-
-
-#: a size field of a config model: an int, or a string with a K/M/G suffix; bounds stay the field's own
-Size = Annotated[int, BeforeValidator(_size_field)]

@@ -17,9 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ...layout.plans import check_bdlm_shape
 from ...objectives.convert import ConvertObjective
 from ...objectives.sft import SFTObjective
-from ...training.config import ParallelConfig, Section, TrainConfig
 from ...preflight import check_local_path, check_weights_dir, check_writable_dir
-from ...values import Size
+from ...training.config import ParallelConfig, Section, Size, TrainConfig
 from .adapter import BDLMModel
 from .data import JsonlSource, SyntheticSource
 from .routing import check_routable, check_windows
