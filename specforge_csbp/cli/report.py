@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
     records = write_report(args.results, args.out, img_dir=args.img_dir, csv_path=args.csv, title=args.title,
                            predictor=predictor, predictor_note=note, same_code=same_code, code_by_file=code_by_file,
-                           records_path=args.records_out, rerun=rerun)
+                           records_path=args.records_out, rerun=rerun, allow_empty=False)
     print(f"report: {len(records)} records -> {args.out}")
     return 0
 

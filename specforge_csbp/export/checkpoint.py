@@ -32,6 +32,8 @@ STATE_FILE = "training_state.pt"
 _PLUGIN_STRATEGIES = ("dflash-csbp", "dflash2-csbp", "dflash2")
 _ARCHES = ("DFlashDraftModel", "DFlash2DraftModel")
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+# what a drafter config must state (a default would silently describe another model)
+_SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 
 
 @dataclass
@@ -104,6 +106,12 @@ def _config_from_dict(data: dict, where: str, field: str = "CHECKPOINT"):
         raise ValueError(
             f"{field}: {where} is not a CSBP drafter (architectures {archs}; expected one of "
             f"{', '.join(_ARCHES)}){hint}"
+        )
+    missing = [k for k in _SHAPE_FIELDS if k not in data]
+    if missing:  # the class defaults would build another drafter, and its weights would not fit
+        raise ValueError(
+            f"{field}: {where} has no {', '.join(missing)}; a drafter config names its shapes "
+            f"({', '.join(_SHAPE_FIELDS)})"
         )
     data = {k: v for k, v in data.items() if k not in ("model_type", "transformers_version", "auto_map")}
     if archs[0] == "CSBPDFlashDraftModel":

@@ -36,9 +36,13 @@ def art(tmp_path_factory):
     with torch.no_grad():
         drafter.layers[0].mlp.down_proj.weight[1, 2] = float("nan")
     drafter.save_pretrained(str(root / "nan_drafter"))
-    for name in ("zero_drafter", "config_only"):
+    for name in ("zero_drafter", "config_only", "no_hidden"):
         (root / name).mkdir()
         shutil.copy(root / "drafter" / "config.json", root / name / "config.json")
+    config = json.loads((root / "drafter" / "config.json").read_text())
+    del config["hidden_size"]  # the class default would describe another drafter
+    (root / "no_hidden" / "config.json").write_text(json.dumps(config))
+    shutil.copy(root / "drafter" / "model.safetensors", root / "no_hidden" / "model.safetensors")
     (root / "zero_drafter" / "model.safetensors").write_bytes(b"")
     (root / "target_nocfg").mkdir()
     shutil.copy(root / "target" / "config.json", root / "target_nocfg" / "config.json")  # config, no weights
@@ -128,7 +132,7 @@ def test_non_finite_weights_are_refused_wherever_they_are_loaded(art, case, caps
 
 
 @pytest.mark.parametrize("case", ["eval-fraction-holds-none", "eval-held-out-all-skipped", "scenario-contexts",
-                                  "eval-no-verify-step"])  # fmt: skip
+                                  "eval-no-verify-step", "report-no-records"])  # fmt: skip
 def test_work_that_comes_out_empty_is_an_error_not_a_result(art, case, capsys, tmp_path):
     if case == "eval-fraction-holds-none":  # 8 samples, 1% held out: none is; refused before the target loads
         _fails(capsys, [*CAPTURE, "--target", art / "target", "--data", art / "data.jsonl", "--out", tmp_path / "s",
@@ -152,6 +156,12 @@ def test_work_that_comes_out_empty_is_an_error_not_a_result(art, case, capsys, t
         assert scenarios_main(["a", "--file", str(toml), "--contexts", "7K", "--dry-run"]) == 2
         err = capsys.readouterr().err.strip()
         assert "--contexts: scenario a has no run at 7168 tokens; its runs are at 64K" in err, err
+    if case == "report-no-records":  # an empty page would replace the report that was there
+        (tmp_path / "results").mkdir()
+        (tmp_path / "b.md").write_text("the old report\n")
+        _fails(capsys, ["report", "--results", tmp_path / "results", "--out", tmp_path / "b.md"],
+               f"--results: {tmp_path}/results holds no benchmark records")  # fmt: skip
+        assert (tmp_path / "b.md").read_text() == "the old report\n"
     if case == "eval-no-verify-step":
         _fails(capsys, [*EVAL[:-1], "1", "--drafter", art / "drafter", "--target", art / "target", "--prompts",
                         art / "prompts.jsonl", "--out", tmp_path / "e.json"],  # fmt: skip
@@ -244,7 +254,7 @@ def test_every_output_is_checked_for_writability_before_the_work(art, case, caps
 # -- class 4: the wrong thing named -> the file and the flag ------------------------------------------------------
 @pytest.mark.parametrize("case", ["eval-zero-weights", "export-zero-weights", "eval-config-only", "eval-swapped",
                                   "export-swapped", "capture-swapped", "pretrained-no-weights",
-                                  "pretrained-zero-weights"])  # fmt: skip
+                                  "pretrained-zero-weights", "export-config-field-missing"])  # fmt: skip
 def test_a_broken_or_misplaced_artifact_names_its_file_and_flag(art, case, capsys, tmp_path):
     prompts = ["--prompts", art / "prompts.jsonl"]
     argv, expected = {
@@ -252,6 +262,9 @@ def test_a_broken_or_misplaced_artifact_names_its_file_and_flag(art, case, capsy
                               f"--drafter: {art}/zero_drafter/model.safetensors is empty (0 bytes)"),
         "export-zero-weights": (["export", "--to", "vllm", art / "zero_drafter", tmp_path / "x"],
                                 f"CHECKPOINT: {art}/zero_drafter/model.safetensors is empty (0 bytes)"),
+        "export-config-field-missing": (["export", "--to", "sglang", art / "no_hidden", tmp_path / "x"],
+                                        f"CHECKPOINT: {art}/no_hidden/config.json has no hidden_size; a drafter "
+                                        "config names its shapes"),
         "eval-config-only": ([*EVAL, "--drafter", art / "config_only", "--target", art / "target", *prompts],
                              f"--drafter: {art}/config_only has a config.json but no weights"),
         "eval-swapped": ([*EVAL, "--drafter", art / "target", "--target", art / "drafter", *prompts],
