@@ -117,7 +117,13 @@ def target_side(name: str, config) -> Side:
 
 
 def drafter_side(name: str, config) -> Side:
-    """A drafter: its config (DFlashConfig) - the target facts it was built for."""
+    """A drafter: its config (a DFlashConfig, or the config.json mapping) - the target facts it was built for."""
+    if isinstance(config, Mapping):  # as written: top-level fields, dflash_config's layer ids
+        dflash = config.get("dflash_config") or {}
+        facts = {"hidden_size": config.get("hidden_size"), "vocab_size": config.get("vocab_size"),
+                 "num_target_layers": config.get("num_target_layers"),
+                 "target_layer_ids": dflash.get("target_layer_ids")}  # fmt: skip
+        return Side(name, {k: (list(map(int, v)) if isinstance(v, list) else v) for k, v in facts.items()})
     return Side(name, {
         "hidden_size": int(config.hidden_size), "vocab_size": int(config.vocab_size),
         "num_target_layers": int(config.target_num_layers),

@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from ..compat import check_disjoint, check_pair, store_side
+from ..compat import check_disjoint, check_pair, drafter_side, read_target_config, store_side, target_side
 from ..data.manifest import config_hash
 from ..data.store import FeatureStore
 from ..distributed import relay
@@ -82,6 +82,11 @@ def preflight(prepared: PreparedRun) -> None:
     for field, each in stores.items():
         _check_store_fits(field, each.manifest, draft)
         _check_target(cfg.model.target_model_path, each.manifest, field)
+    target = cfg.model.target_model_path
+    if draft is not None and target and os.path.isfile(os.path.join(target, "config.json")):  # hub names: workers
+        check_pair(drafter_side(f"model.draft_model_config={cfg.model.draft_model_config}", draft),
+                   target_side(f"model.target_model_path={target}", read_target_config(target, "model.target_model_path")),
+                   advice="use the drafter config built for this target (or the target it was built for)")  # fmt: skip
     if len(stores) == 2:
         _check_eval_store(path, store, cfg.data.eval_hidden_states_path, stores["data.eval_hidden_states_path"])
     if "LOCAL_RANK" in os.environ:

@@ -197,7 +197,7 @@ def test_artifacts_that_do_not_belong_together_are_named_with_the_first_differin
                         "--eval-fraction", "0.2"], "--resume: the store at", "would put in the other store")  # fmt: skip
 
 
-@pytest.mark.parametrize("case", ["eval-store-other-target", "eval-store-shares-samples"])
+@pytest.mark.parametrize("case", ["eval-store-other-target", "eval-store-shares-samples", "drafter-other-target"])
 def test_the_drafter_launcher_checks_the_eval_store_before_any_worker(case, tmp_path, capsys):
     from specforge_csbp.plugin.launch import train_main
     from tests.reliability.test_mechanisms import _run_config
@@ -206,11 +206,20 @@ def test_the_drafter_launcher_checks_the_eval_store_before_any_worker(case, tmp_
     target.mkdir()
     shutil.copy(os.path.join(TINY_TARGET_DIR, "config.json"), target / "config.json")
     sha = _tiny_sha() if case != "eval-store-other-target" else "e" * 64
+    if case == "drafter-other-target":  # the stores are this (other) target's; the drafter config is not
+        from transformers import AutoConfig
+
+        from specforge_csbp.data.manifest import config_hash
+
+        cfg = json.loads((target / "config.json").read_text())
+        (target / "config.json").write_text(json.dumps({**cfg, "hidden_size": 128}))
+        sha = config_hash(AutoConfig.from_pretrained(str(target)))
     # the training store's record of sample 'ok', captured again under another id: the same record in both
     # stores, found by its record hash (capture's record_sha256)
     record = "d" * 64
-    _store(tmp_path / "store", _tiny_sha(), ids=("ok", "late"), records={"ok": record})
-    _store(tmp_path / "ev", sha, ids=("r9",), records={"r9": record})
+    _store(tmp_path / "store", sha if case == "drafter-other-target" else _tiny_sha(), ids=("ok", "late"),
+           records={"ok": record})  # fmt: skip
+    _store(tmp_path / "ev", sha, ids=("r9",), records={"r9": record if case != "drafter-other-target" else "x"})
     path = _run_config(tmp_path, {"eval_interval": 1})
     data = __import__("yaml").safe_load(open(path))
     data["data"]["eval_hidden_states_path"] = str(tmp_path / "ev")
@@ -223,6 +232,8 @@ def test_the_drafter_launcher_checks_the_eval_store_before_any_worker(case, tmp_
         "eval-store-shares-samples": f"data.eval_hidden_states_path={tmp_path}/ev and data.hidden_states_path="
                                      f"{tmp_path}/store share 1 sample(s) (first: 'r9' in data.eval_hidden_states_path, "
                                      "'ok' in data.hidden_states_path)",
+        "drafter-other-target": f"and model.target_model_path={target} do not belong together: hidden_size is 64 in "
+                                "model.draft_model_config but 128 in model.target_model_path",
     }[case]  # fmt: skip
     assert expected in err, err
     assert not (tmp_path / "out").exists()
