@@ -14,8 +14,9 @@ or a step runs is checked here, once, with one line naming the field and what is
     check_store_trainable   every feature-store sample keeps a DFlash anchor within data.max_length
     check_outside           an output that must not live inside a directory another process rotates
 
-Used by `capture`, `import-specforge`, `export`, `report`, `train-bdlm` (training/validate.py) and the
-drafter launcher (plugin/launch.py `preflight`), so the same mistake gets the same message everywhere.
+Used by `capture`, `import-specforge`, `export`, `eval`, `report`, `sweep`, the scenarios, `train-bdlm`
+(models/bdlm/recipe.py `preflight`, training/validate.py) and the drafter launcher (plugin/launch.py
+`preflight`), so the same mistake gets the same message everywhere.
 """
 
 from __future__ import annotations
