@@ -4,6 +4,8 @@
                                       (K = 1024), the same on a command line flag, in a YAML recipe and in an
                                       override (`data.max_length=64K`, `--max-length 64K`, `--contexts 64K,1M`)
     parse_sizes("4K,64K")             a comma-separated list of sizes (or a list of such strings)
+    parse_ints("1,3,5")               a comma-separated list of integers (`--target-layer-ids`, `--world-sizes`);
+                                      brackets as in the YAML spelling `[1, 3, 5]` are accepted too
     parse_override("[1, 2]")          the value of a `section.field=value` override, read as YAML reads the
                                       same text in a file, so a value the YAML accepts the override accepts
     size_arg("--max-length")          argparse `type=` for a size flag (one-line error naming the flag)
@@ -21,7 +23,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["parse_override", "parse_size", "parse_sizes", "size_arg", "size_field", "token_ids"]
+__all__ = ["parse_ints", "parse_override", "parse_size", "parse_sizes", "size_arg", "size_field", "token_ids"]
 
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KkMmGg]?)\s*")
@@ -52,6 +54,19 @@ def parse_sizes(text: str | Sequence[str], *, field: str = "context") -> list[in
     """Comma-separated (or a list of) sizes, deduplicated and sorted."""
     items = text.split(",") if isinstance(text, str) else [p for t in text for p in str(t).split(",")]
     return sorted({parse_size(t, field=field) for t in items if t.strip()})
+
+
+def parse_ints(text: str, *, field: str, minimum: int = 0) -> list[int]:
+    """'1,3,5' (or '[1, 3, 5]') -> [1, 3, 5] in the given order; every item an integer >= `minimum`."""
+    body = text.strip()
+    if body.startswith("[") and body.endswith("]"):
+        body = body[1:-1]
+    items = [t.strip() for t in body.split(",") if t.strip()]
+    if not items or not all(re.fullmatch(r"-?\d+", t) for t in items) or min(int(t) for t in items) < minimum:
+        raise ValueError(
+            f"{field}: expected comma-separated integers >= {minimum} like 1,3,5; got {text!r}"
+        )
+    return [int(t) for t in items]
 
 
 def parse_override(text: str) -> Any:

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from ..errors import load_json
 from ..preflight import check_input_file, check_writable_dir
-from ..values import size_arg
+from ..values import parse_ints, size_arg
 
 __all__ = ["layer_ids_from_draft_config", "parse_layer_ids", "register", "run"]
 
@@ -37,12 +37,7 @@ _DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 def parse_layer_ids(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise ValueError(
-            f"--target-layer-ids: expected comma-separated integers like 1,3,5, got {text!r}"
-        ) from None
+    return parse_ints(text, field="--target-layer-ids")
 
 
 def layer_ids_from_draft_config(path: str) -> list[int]:

@@ -350,10 +350,16 @@ def test_a_size_is_spelled_the_same_on_every_flag_field_and_override(tmp_path, c
     assert from_override.objective.ce_chunk_size == 2048
     with pytest.raises(ValueError, match=r"data.max_length: must be an integer with an optional K/M/G suffix"):
         load_recipe(BDLMRecipe, TINY_BDLM, ["data.max_length=1KB"])
-    # context lists of the sweep and the planner: the same parser
+    # context lists of the sweep and the planner, integer lists of capture and the sweep: one parser each
+    from specforge_csbp.cli.capture import parse_layer_ids
     from specforge_csbp.values import parse_sizes
 
     assert parse_sizes("64K,1M, 4096") == [4096, 65536, 1 << 20]
+    assert parse_layer_ids("1, 3,5") == parse_layer_ids("[1, 3, 5]") == [1, 3, 5]  # the YAML list spelling too
+    _fails(capsys, ["capture", "--target", "t", "--data", "d", "--out", "o", "--target-layer-ids", "1;3"],
+           "--target-layer-ids: expected comma-separated integers >= 0 like 1,3,5; got '1;3'")  # fmt: skip
+    _fails(capsys, ["sweep", "--out-dir", tmp_path / "sw", "--world-sizes", "2,x", "--dry-run"],
+           "--world-sizes: expected comma-separated integers >= 1 like 1,3,5; got '2,x'")  # fmt: skip
     _fails(capsys, ["plan", "--model", os.path.join(ROOT, "benchmarks", "configs", "qwen3-1.7b.json"), "--context", "12Q"], "--context must be an integer >= 1 with an optional K/M/G suffix")
 
 
