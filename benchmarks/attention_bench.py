@@ -34,6 +34,7 @@ from specforge_csbp.layout.cost import attention_flops, bdlm_visible_pairs
 from specforge_csbp.masks import Visibility
 from specforge_csbp.parallel import AttentionOptions, ShardedAttention
 from specforge_csbp.parallel.options import resolve_schedule
+from specforge_csbp.values import parse_sizes
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -253,7 +254,7 @@ def run(args) -> list[BenchRecord]:
     if dist.get_rank() == 0 and checks:
         print("check vs reference at L=%d: %s" % (args.check_context, {m: f"{e:.2e}" for m, e in checks.items()}))
     records = []
-    for seq_len in [int(c) for c in args.contexts.split(",")]:
+    for seq_len in parse_sizes(args.contexts, field="--contexts"):
         pairs = bdlm_visible_pairs(seq_len, args.block_size)
         flops = attention_flops(pairs, args.heads, args.head_dim)
         for mode in modes:

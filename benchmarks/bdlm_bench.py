@@ -48,6 +48,7 @@ import torch.distributed as dist
 from nocomm import no_attention_communication
 
 from specforge_csbp.bench.isolation import fresh_point
+from specforge_csbp.values import size_arg
 from specforge_csbp.bench.provenance import library_digest
 from specforge_csbp.distributed.collectives import COMM_STATS
 from specforge_csbp.distributed.launch import init_from_env, spawn
@@ -452,7 +453,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--out", required=True, help="records file (JSON lines), e.g. benchmarks/results/bdlm_sft.jsonl"
     )
-    p.add_argument("--contexts", type=int, nargs="+", default=[65536, 131072, 262144], help="clean tokens")
+    p.add_argument("--contexts", type=size_arg("--contexts"), nargs="+", default=[65536, 131072, 262144], help="clean tokens")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument(
         "--breakdown-modes",

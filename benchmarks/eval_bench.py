@@ -39,6 +39,7 @@ from specforge_csbp.bench.records import BenchRecord, write_records  # noqa: E40
 from specforge_csbp.eval import check_pair, run_prompts, summarize  # noqa: E402
 from specforge_csbp.models.dflash import build_target_layer_ids, make_dflash_config  # noqa: E402
 from specforge_csbp.models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel  # noqa: E402
+from specforge_csbp.values import size_arg  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,8 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(ROOT / "benchmarks/configs/qwen3-1.7b.json"), help="target config")
     p.add_argument("--contexts", default="32K,128K", help="prompt lengths (K = 1024)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--prefill-chunk", type=int, default=8192)
+    p.add_argument("--max-new-tokens", type=size_arg("--max-new-tokens"), default=64)
+    p.add_argument("--prefill-chunk", type=size_arg("--prefill-chunk", minimum=0), default=8192)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--drafter-layers", type=int, default=5)
     p.add_argument("--dflash2", action=argparse.BooleanOptionalAction, default=True)

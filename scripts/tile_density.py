@@ -26,12 +26,7 @@ from specforge_csbp.masks import Visibility
 from specforge_csbp.models.dflash import drafter_plans, make_dflash_config
 from specforge_csbp.objectives.dflash import DFlashObjective, sample_anchors
 from specforge_csbp.planner.pairs import count_visible
-
-
-def _size(text: str) -> int:
-    text = text.strip().upper()
-    scale = {"K": 1024, "M": 1024 * 1024}.get(text[-1], 1)
-    return int(text[:-1] if scale > 1 else text) * scale
+from specforge_csbp.values import parse_sizes
 
 
 def _calls(shard, block_size: int, window, noisy_causal: bool):
@@ -79,7 +74,7 @@ def main() -> None:
     print(f"H={H} Kh={Kh} G={G} S={S} P={P} window={a.window} bucket={a.bucket} tile={TILE}")
     print(head)
     print("-" * len(head))
-    for L in map(_size, a.contexts.split(",")):
+    for L in parse_sizes(a.contexts, field="--contexts"):
         for n in map(int, a.anchors.split(",")):
             if a.max_rows_x_context and n * S * L > a.max_rows_x_context:
                 print(f"{L // 1024:>4}K {n:>5} skipped: anchors*block*context = {n * S * L:.1e} > "

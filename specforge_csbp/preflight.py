@@ -2,14 +2,21 @@
 or a step runs is checked here, once, with one line naming the field and what is allowed.
 
     check_writable_dir      an output directory: not a file, no file on its path, writable (created later)
+    check_writable_file     an output file: not a directory, its directory writable - before the work that
+                            fills it (an eval's decoding, an export, a report)
+    check_weights_dir       a from_pretrained directory meant to be loaded with its weights: weights files
+                            present and none of them empty
+    check_finite_tensors    loaded weights: no NaN / inf, naming the tensor and the file (eval, export, warm
+                            start, resume)
     check_input_file        an input that must be a file (not a directory, present); errors.py's readers
                             check every file they read with it
     check_finite            every float of a config (nested dicts/lists): no NaN, no +-inf
     check_store_trainable   every feature-store sample keeps a DFlash anchor within data.max_length
     check_outside           an output that must not live inside a directory another process rotates
 
-Used by `capture`, `import-specforge`, `export`, `report`, `train-bdlm` (training/validate.py) and the
-drafter launcher (plugin/launch.py `preflight`), so the same mistake gets the same message everywhere.
+Used by `capture`, `import-specforge`, `export`, `eval`, `report`, `sweep`, the scenarios, `train-bdlm`
+(models/bdlm/recipe.py `preflight`, training/validate.py) and the drafter launcher (plugin/launch.py
+`preflight`), so the same mistake gets the same message everywhere.
 """
 
 from __future__ import annotations
@@ -21,13 +28,18 @@ from typing import Any
 
 __all__ = [
     "check_finite",
+    "check_finite_tensors",
     "check_flex_backend_on_cpu",
     "check_input_file",
     "check_local_path",
     "check_outside",
     "check_store_trainable",
+    "check_weights_dir",
     "check_writable_dir",
+    "check_writable_file",
 ]
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
 
 
 def check_writable_dir(path: str | os.PathLike, field: str) -> None:
@@ -43,9 +55,72 @@ def check_writable_dir(path: str | os.PathLike, field: str) -> None:
         probe = parent
     if not os.path.isdir(probe):
         raise ValueError(f"{field}: {path} cannot be created: {probe} is a file, not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
+    if not _can_create_in(probe):
         what = "is not writable" if probe == path else f"cannot be created: {probe} is not writable"
         raise ValueError(f"{field}: {path} {what}; choose a directory this user can write")
+
+
+def _can_create_in(directory: str) -> bool:
+    """Whether a file can be created in `directory`, found by creating (and removing) one: permission bits
+    say nothing for root, a read-only mount or a pseudo file system such as /proc."""
+    import tempfile
+
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return False
+    try:
+        fd, name = tempfile.mkstemp(prefix=".write-probe-", dir=directory)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(name)
+    return True
+
+
+def check_writable_file(path: str | os.PathLike, field: str, *, must_exist_dir: bool = True) -> None:
+    """Raise unless a file can be written at `path`: not a directory, its directory present (or, with
+    `must_exist_dir=False`, creatable) and writable. Creates nothing."""
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{field}: {path} is a directory; give a file name")
+    parent = os.path.dirname(path)
+    if must_exist_dir and not os.path.isdir(parent):
+        what = "is a file" if os.path.exists(parent) else "does not exist"
+        raise ValueError(f"{field}: the directory {parent} {what}; create it or choose another path")
+    check_writable_dir(parent, field)
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ValueError(f"{field}: {path} is not writable; choose a file this user can write")
+
+
+def check_weights_dir(path: str | os.PathLike, field: str) -> None:
+    """A local from_pretrained directory must hold weights files, none of them empty (a zero-byte or missing
+    weights file otherwise surfaces as a rank's transformers message naming neither the file nor the field)."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        return  # a hub name, or a missing path (check_local_path's error)
+    files = sorted(n for n in os.listdir(path) if n.endswith(_WEIGHT_SUFFIXES))
+    if not files:
+        raise ValueError(
+            f"{field}: {path} has no weights (no *.safetensors or *.bin file; only a config?); give a "
+            "save_pretrained directory with its weights, or model.config for random weights"
+        )
+    for name in files:
+        if os.path.getsize(os.path.join(path, name)) == 0:
+            raise ValueError(f"{field}: {os.path.join(path, name)} is empty (0 bytes); re-copy or re-save the weights")
+
+
+def check_finite_tensors(tensors, field: str, source: str | os.PathLike) -> None:
+    """Raise for the first tensor of `tensors` (a name -> tensor mapping) holding NaN or inf: a drafter with
+    one non-finite weight would evaluate, export and train on as if nothing were wrong."""
+    for name, tensor in tensors.items():
+        if not hasattr(tensor, "is_floating_point") or not tensor.is_floating_point():
+            continue
+        bad = ~tensor.isfinite()
+        if bool(bad.any()):
+            count = int(bad.sum())
+            raise ValueError(
+                f"{field}: {source}: tensor {name!r} has {count} non-finite value(s) (NaN or inf) of "
+                f"{tensor.numel()}; these weights cannot be used - take an earlier checkpoint"
+            )
 
 
 def check_input_file(path: str | os.PathLike, field: str) -> str:

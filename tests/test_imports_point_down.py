@@ -25,6 +25,7 @@ from tests.test_no_import_cycles import PACKAGE, import_graph
 ORDER = [
     "",  # the package root: __version__ only
     "layout",
+    "values",  # the one parser per kind of value (sizes, override values)
     "preflight",
     "errors",  # reads a user's files through preflight.check_input_file
     "outputs",
@@ -37,6 +38,7 @@ ORDER = [
     "models",
     "data",
     "assets",  # the tiny target is written through data.capture
+    "compat",  # the one pair check of two artifacts a command combines (reads data.manifest's config hash)
     "bench",  # records, plots, runners: below the planner, whose calibration reads records
     "planner",  # cost / memory model over the models' plans and the objectives' chunking
     "training",  # activation_checkpointing: auto asks the planner's memory model

@@ -27,6 +27,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..values import parse_size, parse_sizes  # the one size parser (re-exported: the benchmarks import it here)
+
 __all__ = [
     "DEFAULT_TEMPLATE",
     "LAUNCHERS",
@@ -59,23 +61,6 @@ WORKLOADS: dict[str, tuple[str, str, str]] = {
     "sft": ("benchmarks/bdlm_bench.py", "--objective sft", ATTENTION_TEMPLATE),
     "convert": ("benchmarks/bdlm_bench.py", "--objective convert", ATTENTION_TEMPLATE),
 }
-_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_size(text: str, *, field: str = "context") -> int:
-    """'65536', '64K', '1M' -> tokens (K = 1024)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([KkMmGg]?)\s*", text)
-    if not m or int(m.group(1)) < 1:
-        raise ValueError(f"{field} must be a positive integer with an optional K/M suffix (64K, 1M); got {text!r}")
-    return int(m.group(1)) * _SUFFIX[m.group(2).upper()]
-
-
-def parse_sizes(text: str | Sequence[str], *, field: str = "context") -> list[int]:
-    """Comma-separated (or a list of) sizes, deduplicated and sorted."""
-    items = text.split(",") if isinstance(text, str) else [p for t in text for p in t.split(",")]
-    return sorted({parse_size(t, field=field) for t in items if t.strip()})
-
-
 @dataclass(frozen=True, order=True)
 class SweepPoint:
     workload: str

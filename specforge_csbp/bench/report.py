@@ -468,16 +468,22 @@ def write_report(
     code_by_file: dict[str, str] | None = None,
     records_path: str | Path | None = None,
     rerun: Callable[[BenchRecord], str | None] | None = None,
+    allow_empty: bool = True,
 ) -> list[BenchRecord]:
     """Load every record under `results`, write the headline page to `doc_path`, every record to
     `records_path` (default: `<doc stem>_records.md` beside it), optionally the CSV; returns the records.
     `code_by_file`: library digests of record files written before records carried one (load_records);
-    `rerun`: see render_summary."""
+    `rerun`: see render_summary; `allow_empty=False` refuses results that hold no record (nothing written)."""
     paths = results if isinstance(results, list) else [results]
     missing = [str(p) for p in paths if not Path(p).exists()]
     if missing:  # a mistyped path must not replace a report with "No records yet"
         raise ValueError(f"--results: {', '.join(missing)} does not exist; {doc_path} was left unchanged")
     records = load_records(paths, code_by_file=code_by_file)
+    if not records and not allow_empty:  # an empty page would replace the report that was there
+        raise ValueError(
+            f"--results: {', '.join(map(str, paths))} holds no benchmark records (*.json, *.jsonl); {doc_path} "
+            "was left unchanged"
+        )
     source = ", ".join(Path(p).as_posix().rstrip("/") + ("/" if Path(p).is_dir() else "") for p in paths)
     doc_path = Path(doc_path)
     records_path = Path(records_path) if records_path is not None else doc_path.with_name(

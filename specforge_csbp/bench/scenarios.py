@@ -29,11 +29,12 @@ from pathlib import Path
 
 import tomllib
 
+from ..preflight import check_writable_dir
 from .grid import parse_size, parse_sizes
 from .processes import run_group
 
 __all__ = [
-    "BENCHES", "Run", "Scenario", "build_command", "load_scenarios", "main", "rerun_command", "run_scenarios",
+    "BENCHES", "Run", "Scenario", "build_command", "check_selection", "load_scenarios", "main", "rerun_command", "run_scenarios",
 ]  # fmt: skip
 
 DEFAULT_FILE = Path(__file__).resolve().parents[2] / "benchmarks" / "scenarios.toml"
@@ -189,6 +190,19 @@ def _selected(run: Run, contexts: set[int] | None) -> bool:
     return contexts is None or any(parse_size(c) in contexts for c in run.contexts)
 
 
+def check_selection(scenarios: list[Scenario], contexts: set[int] | None) -> None:
+    """Every scenario asked for must have a run at the contexts asked for: running nothing is not a result."""
+    if contexts is None:
+        return
+    for sc in scenarios:
+        if not any(_selected(r, contexts) for r in sc.runs):
+            have = sorted({c for r in sc.runs for c in r.contexts}, key=parse_size)
+            raise ValueError(
+                f"--contexts: scenario {sc.name} has no run at {', '.join(map(str, sorted(contexts)))} tokens; "
+                f"its runs are at {', '.join(have) or 'no listed context'} (leave --contexts out to run them all)"
+            )
+
+
 def _execute(argv: list[str], limit_s: int) -> tuple[int, bool]:
     """Run in a process group of its own; stop the whole group at the limit (like `timeout -k 15`).
     Returns (exit code, whether the limit stopped it)."""
@@ -253,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise ValueError(f"scenario: unknown {', '.join(unknown)}; allowed: {', '.join(scenarios)}")
         contexts = set(parse_sizes(args.contexts, field="--contexts")) if args.contexts else None
+        check_selection([scenarios[n] for n in args.names], contexts)
+        if not args.dry_run:
+            check_writable_dir(args.out, "--out")  # before the first run, not after its records are due
     except (ValueError, OSError, tomllib.TOMLDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from ..errors import load_json
 from ..preflight import check_input_file, check_writable_dir
+from ..values import parse_ints, size_arg
 
 __all__ = ["layer_ids_from_draft_config", "parse_layer_ids", "register", "run"]
 
@@ -36,12 +37,7 @@ _DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 def parse_layer_ids(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise ValueError(
-            f"--target-layer-ids: expected comma-separated integers like 1,3,5, got {text!r}"
-        ) from None
+    return parse_ints(text, field="--target-layer-ids")
 
 
 def layer_ids_from_draft_config(path: str) -> list[int]:
@@ -72,14 +68,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="feature store directory to create")
     p.add_argument("--target-layer-ids", help="comma-separated target layer ids, e.g. 1,9,17,25,33")
     p.add_argument("--draft-config", help="drafter config JSON with dflash_config.target_layer_ids")
-    p.add_argument("--max-length", type=int, default=4096, help="truncate samples to this many tokens")
+    p.add_argument("--max-length", type=size_arg("--max-length"), default=4096, help="truncate samples to this many tokens")
     p.add_argument("--num-samples", type=int, default=None, help="stop after this many stored samples")
     p.add_argument("--dtype", choices=_DTYPES, default="float32", help="target compute dtype")
     p.add_argument(
         "--store-dtype", choices=_DTYPES, default=None, help="feature dtype on disk (default --dtype)"
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--chunk-size", type=int, default=0, help="prefill chunk in tokens (0 = whole sample)")
+    p.add_argument("--chunk-size", type=size_arg("--chunk-size", minimum=0), default=0, help="prefill chunk in tokens (0 = whole sample)")
     p.add_argument("--seed", type=int, default=0, help="seed of a random-weight target")
     p.add_argument("--save-target", help="also write the instantiated target (weights + tokenizer) here")
     p.add_argument("--attn-implementation", default="sdpa", help="transformers attention (sdpa, eager, ...)")
@@ -111,9 +107,9 @@ def _records(path: str):
         yield line, record, sample_id_of(line, record)
 
 
-def _scan(path: str) -> int:
+def _scan(path: str) -> list[str]:
     """Every record of the data file before anything is loaded: JSON, shape and unique ids (one line each);
-    returns the number of records."""
+    returns the sample ids in file order."""
     seen: dict[str, int] = {}
     for line, record, sid in _records(path):
         if sum(k in record for k in ("messages", "text", "input_ids")) != 1:
@@ -129,7 +125,51 @@ def _scan(path: str) -> int:
         seen[sid] = line
     if not seen:
         raise ValueError(f"--data: {path} has no records (one JSON object per line)")
-    return len(seen)
+    return list(seen)
+
+
+def _stored_ids(root: str) -> list[str]:
+    """Sample ids a store at `root` already holds (complete or not), [] when there is none."""
+    # lazy: CLI start-up
+    from ..data.manifest import MANIFEST_NAME, StoreManifest
+
+    path = os.path.join(root, MANIFEST_NAME)
+    if not os.path.isfile(path):
+        return []
+    return [e.id for e in StoreManifest.model_validate(load_json(path, "--resume")).samples]
+
+
+def _check_split(args: argparse.Namespace, ids: list[str], fraction: float) -> None:
+    """The held-out split must hold something, and a resumed capture must keep the split it started with
+    (a sample id's side is a pure function of the id and --eval-fraction, data/split.py): checked before
+    the target loads, so no sample lands in both stores and no empty eval store is advertised."""
+    # lazy: CLI start-up
+    from ..data.split import eval_store_dir, held_out
+
+    if fraction > 0:
+        considered, kept = [], 0
+        for sid in ids:  # --num-samples counts the training store's samples: the ids capture would reach
+            considered.append(sid)
+            kept += not held_out(sid, fraction)
+            if args.num_samples is not None and kept >= args.num_samples:
+                break
+        if not any(held_out(sid, fraction) for sid in considered):
+            raise ValueError(
+                f"--eval-fraction: {fraction} holds out none of the {len(considered)} samples of {args.data} this "
+                f"capture reaches (the split is by sample id); raise it (about {1 / len(considered):.2g} or more "
+                "holds one out) or leave it out"
+            )
+    if not args.resume:
+        return
+    for root, held in ((args.out, False), (eval_store_dir(args.out), True)):
+        for sid in _stored_ids(root):
+            if held_out(sid, fraction) != held:
+                side = "held out for eval" if held else "kept for training"
+                raise ValueError(
+                    f"--resume: the store at {root} has sample {sid!r} {side}, which --eval-fraction {fraction} "
+                    "would put in the other store; resume with the --eval-fraction the capture started with, or "
+                    "recapture with --overwrite"
+                )
 
 
 def _load_tokenizer(path: str, given: bool):
@@ -150,6 +190,7 @@ def _check_args(args: argparse.Namespace) -> tuple[list[int], float, str | None]
     import torch
 
     # lazy: CLI start-up
+    from ..compat import check_not_a_drafter
     from ..data.split import check_eval_fraction, eval_store_dir
     from ..data.store import check_out_dir
 
@@ -175,6 +216,7 @@ def _check_args(args: argparse.Namespace) -> tuple[list[int], float, str | None]
         raise ValueError(f"--device: {args.device} requested but torch.cuda.is_available() is False")
     if not os.path.exists(args.target):
         raise ValueError(f"--target: {args.target} does not exist (give a checkpoint directory or a config.json)")
+    check_not_a_drafter(args.target, "--target")
     return layer_ids, fraction, eval_out
 
 
@@ -238,7 +280,9 @@ def run(args: argparse.Namespace) -> int:
     from ..data.store import FeatureStoreWriter
 
     layer_ids, fraction, eval_out = _check_args(args)
-    total = _scan(args.data)
+    ids = _scan(args.data)
+    total = len(ids)
+    _check_split(args, ids, fraction)
     tok_path = args.tokenizer or (args.target if os.path.isdir(args.target) else os.path.dirname(args.target))
     tokenizer = _load_tokenizer(tok_path, args.tokenizer is not None)
     model, info = load_target(
@@ -291,6 +335,12 @@ def run(args: argparse.Namespace) -> int:
     kept = f"; kept {counts.present} from an earlier run" if counts.present else ""
     print(f"capture: wrote {counts.stored} samples ({counts.tokens} tokens) to {args.out}; skipped {counts.skipped} "
           f"without two consecutive supervised tokens{kept}")  # fmt: skip
+    if eval_out and counts.held == 0 and not _stored_ids(eval_out):
+        raise ValueError(
+            f"--eval-fraction: the store at {eval_out} holds no sample (every held-out record was skipped: no two "
+            f"consecutive supervised tokens within --max-length {args.max_length}); do not train with it as "
+            "data.eval_hidden_states_path - raise --eval-fraction or leave it out"
+        )
     if eval_out:
         print(f"capture: held out {counts.held} samples (--eval-fraction {fraction}) in {eval_out}; "
               f"train with data.eval_hidden_states_path={eval_out}")  # fmt: skip

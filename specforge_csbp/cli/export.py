@@ -60,15 +60,9 @@ def run(args: argparse.Namespace) -> int:
     from ..export.writer import export_drafter, serve_commands
 
     _check_out_location(args.checkpoint, args.out)
-    try:
-        result = export_drafter(
-            args.checkpoint, args.out, to=args.to, overwrite=args.overwrite, dtype=args.dtype, target=args.target
-        )
-    except Exception as err:
-        if type(err).__name__ != "SafetensorError":
-            raise
-        raise ValueError(f"CHECKPOINT: {args.checkpoint}: a weights file is not a complete safetensors file "
-                         f"({str(err).splitlines()[0]}); re-copy or re-save it") from None  # fmt: skip
+    result = export_drafter(
+        args.checkpoint, args.out, to=args.to, overwrite=args.overwrite, dtype=args.dtype, target=args.target
+    )
     out = os.path.abspath(result.out)
     print(
         f"specforge-csbp export: {result.architecture} ({result.num_tensors} tensors, {result.dtype}) -> {out}"

@@ -14,6 +14,7 @@ import argparse
 import os
 
 from ..preflight import check_writable_dir
+from ..values import size_arg
 from .capture import resolve_layer_ids
 
 __all__ = ["register", "run"]
@@ -32,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtype", choices=("bfloat16", "float16", "float32", "float64"), help="default: as stored"
     )
-    p.add_argument("--max-length", type=int, default=None, help="truncate like SpecForge's max_len")
+    p.add_argument("--max-length", type=size_arg("--max-length"), default=None, help="truncate like SpecForge's max_len")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)

@@ -14,8 +14,23 @@ from ..errors import is_user_error, one_line
 __all__ = ["build_parser", "main"]
 
 
+class _ArgumentError(ValueError):
+    """A bad flag value or a missing flag, raised by the parser instead of printing the usage block."""
+
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(message)
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line like every other user error (the usage stays in --help)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise _ArgumentError(self.prog, f"{message} (see {self.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specforge-csbp", description=__doc__)
+    parser = _Parser(prog="specforge-csbp", description=__doc__)
     parser.add_argument("--version", action="version", version=f"specforge-csbp {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     package = importlib.import_module(__package__)
@@ -29,7 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except _ArgumentError as err:
+        print(f"{err.prog}: error: {err}", file=sys.stderr)
+        return 2
     try:
         return int(args.func(args) or 0)
     except Exception as err:  # a user's input or machine (bad value, file, disk full): one line; bugs: traceback

@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         if args.calibrate:
             return 0
         raise ValueError("model: give --model CONFIG (or --calibrate alone to only measure)")
-    context = parse_size(args.context)
+    context = parse_size(args.context, field="--context")
     if args.gpus < 1:
         raise ValueError(f"gpus must be >= 1, got {args.gpus}")
     if args.gpu_mem <= 0:

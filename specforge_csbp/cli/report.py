@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-from pathlib import Path
 
 from ..bench.records import BenchRecord
 from ..bench.report import write_report
 from ..errors import load_json
+from ..preflight import check_writable_dir, check_writable_file
 
 __all__ = ["register", "run"]
 
@@ -59,8 +59,11 @@ def run(args: argparse.Namespace) -> int:
                 + "".join(f"; for `{w}` the profile `{own_names[w]}` ({p.summary()})" for w, p in sorted(own.items()))
                 + " and the model configs " + ", ".join(f"`{w}`: `{c}`" for w, c in sorted(models.items())) + ".")
 
-    if Path(args.out).is_dir():
-        raise ValueError(f"--out: {args.out} is a directory; give the markdown file to write")
+    for flag, path in (("--out", args.out), ("--records-out", args.records_out), ("--csv", args.csv)):
+        if path:  # every output, before the records are read and the plots drawn
+            check_writable_file(path, flag, must_exist_dir=False)
+    if args.img_dir:
+        check_writable_dir(args.img_dir, "--img-dir")
     code_by_file = load_json(args.code_by_file, "--code-by-file") if args.code_by_file else None
     rerun = None
     if args.scenarios:
@@ -75,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
     records = write_report(args.results, args.out, img_dir=args.img_dir, csv_path=args.csv, title=args.title,
                            predictor=predictor, predictor_note=note, same_code=same_code, code_by_file=code_by_file,
-                           records_path=args.records_out, rerun=rerun)
+                           records_path=args.records_out, rerun=rerun, allow_empty=False)
     print(f"report: {len(records)} records -> {args.out}")
     return 0
 

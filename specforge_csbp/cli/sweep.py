@@ -24,6 +24,7 @@ from ..bench.grid import (
 )
 from ..bench.runner import run_sweep, write_outputs
 from ..preflight import check_writable_dir
+from ..values import parse_ints
 
 __all__ = ["register", "run"]
 
@@ -57,13 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _ints(text: str, field: str) -> list[int]:
-    try:
-        values = sorted({int(t) for t in text.split(",") if t.strip()})
-    except ValueError:
-        raise ValueError(f"{field} must be a comma list of integers; got {text!r}") from None
-    if not values or values[0] < 1:
-        raise ValueError(f"{field} must be a comma list of integers >= 1; got {text!r}")
-    return values
+    return sorted(set(parse_ints(text, field=field, minimum=1)))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,8 +69,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     points, invalid = build_grid(
-        args.workload, parse_sizes(args.contexts), modes, _ints(args.world_sizes, "world_sizes"),
-        _ints(args.block_sizes, "block_sizes"), args.args,
+        args.workload, parse_sizes(args.contexts, field="--contexts"), modes, _ints(args.world_sizes, "--world-sizes"),
+        _ints(args.block_sizes, "--block-sizes"), args.args,
     )  # fmt: skip
 
     def command_for(point, out):

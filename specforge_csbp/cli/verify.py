@@ -20,6 +20,7 @@ from ..layout.plans import MODES
 from ..masks.visibility import CLEAN_RULES
 from ..parallel.check import DTYPES, CheckCase, CheckResult, run_check
 from ..parallel.sharded_attention import SCHEDULES
+from ..values import size_arg
 
 __all__ = ["register", "run"]
 
@@ -28,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="check a parallel mode against the single-device reference")
     p.add_argument("--mode", choices=[m for m in MODES if m != "reference"], default="csbp")
     p.add_argument("--world-size", type=int, default=2, help="ranks to spawn on CPU (ignored under torchrun)")
-    p.add_argument("--seq-len", type=int, default=256, help="clean tokens L (a multiple of --block-size)")
+    p.add_argument("--seq-len", type=size_arg("--seq-len"), default=256, help="clean tokens L (a multiple of --block-size)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)

@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from .. import errors
+from ..values import token_ids
 
-__all__ = ["has_consecutive_supervised", "read_jsonl", "sample_id_of", "tokenize_sample"]
+__all__ = ["check_messages", "has_consecutive_supervised", "read_jsonl", "sample_id_of", "tokenize_sample"]
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -45,7 +46,8 @@ def sample_id_of(line: int, record: dict) -> str:
     return str(sid) if isinstance(sid, (str, int)) and str(sid) else f"{line:08d}"
 
 
-def _check_messages(messages: Any, where: str) -> None:
+def check_messages(messages: Any, where: str) -> None:
+    """A chat record's `messages`: a non-empty list of {role, content} objects (one line otherwise)."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"messages: {where} must be a non-empty list of {{'role', 'content'}} objects")
     for m in messages:
@@ -102,9 +104,7 @@ def tokenize_sample(
             f"data: {where} needs exactly one of 'messages' (chat) or 'text' (or 'input_ids'), got keys {sorted(record)}"
         )
     if "input_ids" in record:
-        ids = record["input_ids"]
-        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
-            raise ValueError(f"input_ids: {where} must be a non-empty list of non-negative integers")
+        ids = token_ids(record["input_ids"], "input_ids", where)
         mask = [1] * len(ids)
     elif "text" in record:
         if not isinstance(record["text"], str):
@@ -113,7 +113,7 @@ def tokenize_sample(
         mask = [1] * len(ids)
     else:
         messages = record["messages"]
-        _check_messages(messages, where)
+        check_messages(messages, where)
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("tokenizer: has no chat_template, so chat samples cannot be rendered")
         template = tokenizer.chat_template

@@ -12,7 +12,8 @@ import os
 
 import torch
 
-from ..data.capture import check_target_layer_ids, load_target
+from ..compat import check_drafter_target, read_target_config
+from ..data.capture import load_target
 from ..export.checkpoint import load_checkpoint
 from ..models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel
 from .choices import DTYPES
@@ -41,7 +42,7 @@ def load_drafter(path: str, *, untrained: bool = False, seed: int = 0, dtype: st
     """(model, DrafterCheckpoint) on `device` in `dtype`, in eval mode."""
     if not os.path.exists(path):
         raise ValueError(f"--drafter: {path} does not exist")
-    ckpt = load_checkpoint(path)
+    ckpt = load_checkpoint(path, "--drafter")
     cls = DFlash2DraftModel if ckpt.architecture == "DFlash2DraftModel" else DFlashDraftModel
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -53,15 +54,7 @@ def load_drafter(path: str, *, untrained: bool = False, seed: int = 0, dtype: st
 
 def load_target_config(path: str):
     """The target's config alone (the pair checks run before any weight is read)."""
-    from transformers import AutoConfig
-
-    if not os.path.exists(path):
-        raise ValueError(f"--target: {path} does not exist")
-    try:
-        return AutoConfig.from_pretrained(path)
-    except Exception as err:  # noqa: BLE001 - any unreadable config is the same one-line error
-        first = str(err).splitlines()[0][:120]
-        raise ValueError(f"--target: {path} has no readable config.json ({first})") from None
+    return read_target_config(path, "--target")
 
 
 def load_eval_target(path: str, *, dtype: str, device: torch.device, seed: int = 0):
@@ -73,34 +66,9 @@ def load_eval_target(path: str, *, dtype: str, device: torch.device, seed: int =
     return model
 
 
-def check_pair(drafter_config, target_config) -> None:
-    """The drafter must read this target: hidden size, layer ids, vocabulary, mask token."""
-    t = target_config.get_text_config()
-    d = drafter_config
-    if int(d.hidden_size) != int(t.hidden_size):
-        raise ValueError(
-            f"hidden_size: the drafter has {d.hidden_size}, the target {t.hidden_size}; a drafter reads its "
-            "target's hidden states and embeddings, so they must be equal"
-        )
-    if int(d.vocab_size) != int(t.vocab_size):
-        raise ValueError(
-            f"vocab_size: the drafter has {d.vocab_size}, the target {t.vocab_size}; the drafter uses the "
-            "target's embeddings and LM head, so they must be equal"
-        )
-    if int(d.target_num_layers) != int(t.num_hidden_layers):
-        raise ValueError(
-            f"num_target_layers: the drafter was built for a target of {d.target_num_layers} layers, this "
-            f"target has {t.num_hidden_layers}"
-        )
-    try:
-        check_target_layer_ids(d.target_layer_ids, int(t.num_hidden_layers))
-    except ValueError as err:
-        raise ValueError(f"dflash_config.{err}") from None
-    if not 0 <= int(d.mask_token_id) < int(t.vocab_size):
-        raise ValueError(
-            f"dflash_config.mask_token_id = {d.mask_token_id} is outside the target's vocabulary "
-            f"0..{int(t.vocab_size) - 1}"
-        )
+def check_pair(drafter_config, target_config, drafter: str = "--drafter", target: str = "--target") -> None:
+    """The drafter must read this target (compat.check_drafter_target: one check for every command)."""
+    check_drafter_target(drafter_config, target_config, drafter, target)
 
 
 def check_positions(prompts, max_new_tokens: int, block_size: int, target_config) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..values import parse_size
 from .loop import SequenceResult
 
 __all__ = ["BUCKET_EDGES", "parse_bucket_edges", "summarize"]
@@ -34,7 +35,7 @@ def parse_bucket_edges(text: str) -> tuple[int, ...]:
     """`--bucket-edges 0,4K,16K,64K` -> (0, 4096, 16384, 65536): increasing token positions from 0 (`K` = 1024;
     the last bucket is open). Finer edges than the default serve short prompts (the CPU long-context study)."""
     try:
-        edges = tuple(int(float(x[:-1]) * K) if x[-1:] in "kK" else int(x) for x in text.replace(" ", "").split(","))
+        edges = tuple(parse_size(x, field="--bucket-edges", minimum=0) for x in text.replace(" ", "").split(","))
     except ValueError:
         edges = ()
     if not edges or edges[0] != 0 or any(b <= a for a, b in zip(edges, edges[1:])):

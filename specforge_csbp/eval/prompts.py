@@ -19,8 +19,12 @@ from collections.abc import Mapping
 
 import torch
 
+from ..compat import check_pair, store_side, target_side
+from ..data.samples import check_messages
+from ..data.split import eval_store_dir
 from ..data.store import FeatureStore
 from ..errors import read_jsonl
+from ..values import token_ids
 
 __all__ = ["jsonl_prompts", "store_prompts"]
 
@@ -46,9 +50,16 @@ def _ids(encoded) -> list[int]:
 def _record_ids(record, where: str, tokenizer_of) -> list[int]:
     """Token ids of one prompt record (input_ids as is; text / messages through the target's tokenizer)."""
     if isinstance(record, dict) and "input_ids" in record:
-        return [int(t) for t in record["input_ids"]]
+        return token_ids(record["input_ids"], "--prompts", f"{where} input_ids")
     if not (isinstance(record, dict) and ("text" in record or "messages" in record)):
         raise ValueError(f"--prompts: {where} needs one of the fields input_ids, text, messages")
+    if "text" in record and (not isinstance(record["text"], str) or not record["text"]):
+        raise ValueError(f"--prompts: {where} text must be a non-empty string; got {record['text']!r:.60}")
+    if "text" not in record:
+        try:
+            check_messages(record["messages"], where)
+        except ValueError as err:
+            raise ValueError(f"--prompts: {err}") from None
     tokenizer = tokenizer_of()
     if "text" in record:
         return _ids(tokenizer(str(record["text"]))["input_ids"])
@@ -80,18 +91,30 @@ def _split_ids(store, root: str, split: str) -> list[str]:
     listed = (getattr(store.manifest, "splits", None) or {}).get(split)  # a manifest-level {name: [ids]}
     if listed:
         return [str(i) for i in listed]
+    sibling = eval_store_dir(root)
+    hint = f"; capture --eval-fraction wrote its held-out samples to {sibling}: give --store {sibling}" if (
+        os.path.isdir(sibling)) else ""  # fmt: skip
     raise ValueError(
         f"--split: the store at {root} has no split {split!r} (neither {os.path.join(root, split)}/ "
-        f"nor samples marked split={split!r}); leave --split out to use every sample"
+        f"nor samples marked split={split!r}); leave --split out to use every sample{hint}"
     )
 
 
-def store_prompts(root: str, split: str | None = None, limit: int | None = None) -> list[torch.Tensor]:
-    if not os.path.isdir(root):
+def store_prompts(
+    root: str, split: str | None = None, limit: int | None = None, *, target: tuple[str, object] | None = None
+) -> list[torch.Tensor]:
+    """The store's prompts; `target` = (its --target path, its config): the store must have been captured
+    from that target (compat.check_pair on the config hash the manifest records), checked before decoding."""
+    if not os.path.exists(root):
         raise ValueError(f"--store: {root} does not exist")
+    if not os.path.isdir(root):
+        raise ValueError(f"--store: {root} is a file; give a feature store directory")
     if split is not None and os.path.isdir(os.path.join(root, split)):
         root, split = os.path.join(root, split), None
     store = FeatureStore(root, verify="trust")
+    if target is not None:
+        check_pair(store_side(f"--store {root}", store.manifest), target_side(f"--target {target[0]}", target[1]),
+                   advice="evaluate on prompts captured from this target, or give the store's target")  # fmt: skip
     ids = store.sample_ids if split is None else _split_ids(store, root, split)
     prompts = []
     for sample_id in ids[:limit]:

@@ -15,6 +15,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..outputs import pyplot, save_figure_atomic
+from ..preflight import check_finite_tensors
 from .choices import DEVICES
 from .drafter import DraftContext
 from .load import (
@@ -29,9 +30,8 @@ from .loop import SequenceResult, speculative_generate
 from .metrics import BUCKET_EDGES, summarize
 from .target import TargetRunner
 
-__all__ = ["SHAPE_STABLE_BACKENDS", "EvalOptions", "evaluate", "plot_tau", "resolve_device", "run_prompts",
+__all__ = ["SHAPE_STABLE_BACKENDS", "EvalOptions", "Prepared", "evaluate", "prepare", "plot_tau", "resolve_device", "run_prompts",
            "shape_stable_sdpa", "summary_line"]
-
 
 
 @dataclass
@@ -135,8 +135,20 @@ def _run_prompts(runner, drafter, target, prompts, max_new_tokens, *, device, pr
     return results
 
 
-def evaluate(options: EvalOptions, prompts: Sequence[torch.Tensor]) -> dict[str, Any]:
-    """The summary dict (summarize's fields + what was run)."""
+@dataclass
+class Prepared:
+    """What `prepare` checked and loaded: the device, dtype, the target's config and the drafter."""
+
+    device: torch.device
+    dtype: str
+    target_config: Any
+    drafter: Any
+    checkpoint: Any
+
+
+def prepare(options: EvalOptions) -> Prepared:
+    """Every check that needs no prompt and no target weight, and the drafter (its weights checked finite):
+    run before the prompts are read, so a swapped or mismatched pair is named as such."""
     if options.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1; got {options.max_new_tokens}")
     if options.prefill_chunk < 0:
@@ -152,10 +164,20 @@ def evaluate(options: EvalOptions, prompts: Sequence[torch.Tensor]) -> dict[str,
     target_config = load_target_config(options.target)
     drafter, ckpt = load_drafter(options.drafter, untrained=options.untrained, seed=options.seed, dtype=dtype,
                                  device=device)  # fmt: skip
-    check_pair(drafter.config, target_config)  # before the target's weights are read
+    check_pair(drafter.config, target_config, f"--drafter {options.drafter}", f"--target {options.target}")
+    return Prepared(device, dtype, target_config, drafter, ckpt)
+
+
+def evaluate(options: EvalOptions, prompts: Sequence[torch.Tensor], prepared: Prepared | None = None) -> dict[str, Any]:
+    """The summary dict (summarize's fields + what was run); `prepared` is `prepare(options)` when the caller
+    ran it ahead of reading the prompts."""
+    prepared = prepared or prepare(options)
+    device, dtype, target_config = prepared.device, prepared.dtype, prepared.target_config
+    drafter, ckpt = prepared.drafter, prepared.checkpoint
     S = int(drafter.block_size)
     check_positions(prompts, options.max_new_tokens, S, target_config)
     target = load_eval_target(options.target, dtype=dtype, device=device, seed=options.seed)
+    check_finite_tensors(dict(target.named_parameters()), "--target", options.target)
     stop_ids: list[int] = []
     if not options.ignore_eos:
         eos = getattr(target.generation_config, "eos_token_id", None)
@@ -166,6 +188,10 @@ def evaluate(options: EvalOptions, prompts: Sequence[torch.Tensor]) -> dict[str,
     results = run_prompts(drafter, target, prompts, options.max_new_tokens, prefill_chunk=options.prefill_chunk,
                           stop_ids=stop_ids, progress=options.progress)  # fmt: skip
     summary = summarize(results, S, options.bucket_edges)
+    if summary["verify_steps"] == 0:  # tau of nothing: no result, not a tau of 1
+        why = "--max-new-tokens 1 is the target's first token alone" if options.max_new_tokens == 1 else (
+            "every prompt ended at its first generated token (the target's EOS; --ignore-eos decodes on)")
+        raise ValueError(f"eval: no verify step ran, so there is no tau to report: {why}")
     summary.update(
         drafter=os.path.abspath(options.drafter), drafter_source=ckpt.source, architecture=ckpt.architecture,
         untrained=options.untrained, target=os.path.abspath(options.target), device=str(device), dtype=dtype,

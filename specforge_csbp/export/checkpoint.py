@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..errors import load_json
+from ..preflight import check_finite_tensors, check_input_file
 from ..models.dflash.configuration import DFlashConfig
 from ..models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel
 
@@ -31,6 +32,8 @@ STATE_FILE = "training_state.pt"
 _PLUGIN_STRATEGIES = ("dflash-csbp", "dflash2-csbp", "dflash2")
 _ARCHES = ("DFlashDraftModel", "DFlash2DraftModel")
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+# what a drafter config must state (a default would silently describe another model)
+_SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 
 
 @dataclass
@@ -48,70 +51,97 @@ class DrafterCheckpoint:
         return self.config.architecture
 
 
-def _latest_specforge_state(root: str) -> str | None:
+def _latest_specforge_state(root: str, field: str = "CHECKPOINT") -> str | None:
     states = sorted({os.path.realpath(p) for p in glob.glob(os.path.join(glob.escape(root), "*-latest"))})
     states = [s for s in states if os.path.isfile(os.path.join(s, STATE_FILE))]
     if len(states) > 1:
         raise ValueError(
-            f"CHECKPOINT: {root} holds several runs ({', '.join(states)}); name one checkpoint directory"
+            f"{field}: {root} holds several runs ({', '.join(states)}); name one checkpoint directory"
         )
     return os.path.join(states[0], STATE_FILE) if states else None
 
 
-def resolve_source(path: str) -> tuple[str, str]:
-    """(kind, path): ('specforge', training_state.pt) or ('pretrained', directory)."""
+def resolve_source(path: str, field: str = "CHECKPOINT") -> tuple[str, str]:
+    """(kind, path): ('specforge', training_state.pt) or ('pretrained', directory). `field` names the flag."""
     if not os.path.exists(path):
-        raise ValueError(f"CHECKPOINT: {path} does not exist")
+        raise ValueError(f"{field}: {path} does not exist")
     if os.path.isfile(path):
         if os.path.basename(path) == STATE_FILE:
             return "specforge", path
-        raise ValueError(f"CHECKPOINT: {path} is a file but not a SpecForge {STATE_FILE}")
+        raise ValueError(
+            f"{field}: {path} is a file but not a SpecForge {STATE_FILE}; give a checkpoint or export directory"
+        )
     if os.path.isfile(os.path.join(path, STATE_FILE)):
         return "specforge", os.path.join(path, STATE_FILE)
     if os.path.isfile(os.path.join(path, "config.json")) and any(
         os.path.isfile(os.path.join(path, w)) for w in _WEIGHT_FILES
     ):
         return "pretrained", path
-    latest = _latest_specforge_state(path)
+    latest = _latest_specforge_state(path, field)
     if latest is not None:
         return "specforge", latest
     pointer = os.path.join(path, "latest")
     if os.path.isfile(pointer):  # specforge-csbp's own trainer
-        return resolve_source(os.path.join(path, open(pointer).read().strip()))
+        return resolve_source(os.path.join(path, open(pointer).read().strip()), field)
+    config = os.path.join(path, "config.json")
+    if os.path.isfile(config):
+        raise ValueError(
+            f"{field}: {path} has a config.json but no weights (model.safetensors or its index); a drafter "
+            "directory needs both"
+        )
     raise ValueError(
-        f"CHECKPOINT: {path} is not a drafter checkpoint (no {STATE_FILE}, no *-latest run, "
+        f"{field}: {path} is not a drafter checkpoint (no {STATE_FILE}, no *-latest run, "
         "no config.json + model.safetensors)"
     )
 
 
-def _config_from_dict(data: dict, where: str):
+def _config_from_dict(data: dict, where: str, field: str = "CHECKPOINT"):
+    if not isinstance(data, dict):
+        raise ValueError(f"{field}: {where} must hold a JSON object (a drafter config)")  # noqa: TRY004
     archs = data.get("architectures") or []
     if len(archs) != 1 or archs[0] not in _ARCHES + ("CSBPDFlashDraftModel",):
+        hint = ""
+        if any(isinstance(a, str) and a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in archs):
+            hint = " - it is a target model; was it given in place of the drafter (swapped arguments)?"
         raise ValueError(
-            f"CHECKPOINT: {where} is not a CSBP drafter (architectures {archs}; expected one of {', '.join(_ARCHES)})"
+            f"{field}: {where} is not a CSBP drafter (architectures {archs}; expected one of "
+            f"{', '.join(_ARCHES)}){hint}"
+        )
+    missing = [k for k in _SHAPE_FIELDS if k not in data]
+    if missing:  # the class defaults would build another drafter, and its weights would not fit
+        raise ValueError(
+            f"{field}: {where} has no {', '.join(missing)}; a drafter config names its shapes "
+            f"({', '.join(_SHAPE_FIELDS)})"
         )
     data = {k: v for k, v in data.items() if k not in ("model_type", "transformers_version", "auto_map")}
     if archs[0] == "CSBPDFlashDraftModel":
         data["architectures"] = ["DFlashDraftModel"]
-    config = DFlashConfig(**data)
-    config.validate_dflash()
+    try:
+        config = DFlashConfig(**data)
+        config.validate_dflash()
+    except (TypeError, KeyError, AttributeError) as err:  # a missing or mistyped field of the config
+        raise ValueError(f"{field}: {where} is not a usable drafter config ({type(err).__name__}: {err})") from None
+    except ValueError as err:
+        raise ValueError(f"{field}: {where}: {err}") from None
     return config
 
 
-def _load_specforge(path: str) -> DrafterCheckpoint:
+def _load_specforge(path: str, field: str = "CHECKPOINT") -> DrafterCheckpoint:
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"{field}: {path} is empty (0 bytes); re-copy it or take another checkpoint")
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:  # noqa: BLE001 - any unreadable file is the same one-line error
-        raise ValueError(f"CHECKPOINT: cannot read {path}: {str(err).splitlines()[0]}") from None
+        raise ValueError(f"{field}: cannot read {path}: {str(err).splitlines()[0]}") from None
     if not isinstance(state, dict) or not isinstance(state.get("draft_state_dict"), dict):
-        raise ValueError(f"CHECKPOINT: {path} holds no draft_state_dict")  # noqa: TRY004
+        raise ValueError(f"{field}: {path} holds no draft_state_dict")  # noqa: TRY004
     strategy = state.get("strategy")
     if strategy not in _PLUGIN_STRATEGIES or "csbp_draft_config" not in state:
         raise ValueError(
-            f"CHECKPOINT: {path} was written by SpecForge strategy {strategy!r}, not a CSBP drafter "
+            f"{field}: {path} was written by SpecForge strategy {strategy!r}, not a CSBP drafter "
             f"({', '.join(_PLUGIN_STRATEGIES)}); export stock checkpoints with `specforge export`"
         )
-    config = _config_from_dict(json.loads(state["csbp_draft_config"]), path)
+    config = _config_from_dict(json.loads(state["csbp_draft_config"]), path, field)
     extra = {k: state[k] for k in ("csbp_algorithm", "csbp_objective", "run_id", "world_size") if k in state}
     return DrafterCheckpoint(
         source=path, kind="specforge", config=config, state_dict=state["draft_state_dict"], strategy=strategy,
@@ -119,32 +149,56 @@ def _load_specforge(path: str) -> DrafterCheckpoint:
     )  # fmt: skip
 
 
-def _load_pretrained(path: str) -> DrafterCheckpoint:
+def _safetensors(path: str, field: str) -> dict[str, torch.Tensor]:
+    """One safetensors file; a missing, empty or truncated one is a line naming the file and the flag."""
     from safetensors.torch import load_file
 
+    check_input_file(path, field)
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"{field}: {path} is empty (0 bytes); re-copy or re-save the weights")
+    try:
+        return load_file(path)
+    except Exception as err:  # noqa: BLE001 - SafetensorError and friends: the file is not a whole one
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(
+            f"{field}: {path}: a weights file is not a complete safetensors file ({first}); re-copy or re-save it"
+        ) from None
+
+
+def _load_pretrained(path: str, field: str = "CHECKPOINT") -> DrafterCheckpoint:
     config_path = os.path.join(path, "config.json")
-    config = _config_from_dict(load_json(config_path, "CHECKPOINT"), config_path)
+    config = _config_from_dict(load_json(config_path, field), config_path, field)
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        files = sorted(set(load_json(index, "CHECKPOINT")["weight_map"].values()))
+        weight_map = load_json(index, field)
+        if not isinstance(weight_map, dict) or not isinstance(weight_map.get("weight_map"), dict):
+            raise ValueError(f"{field}: {index} has no weight_map (a safetensors index maps names to files)")
         state: dict[str, torch.Tensor] = {}
-        for name in files:
-            state.update(load_file(os.path.join(path, name)))
+        for name in sorted(set(map(str, weight_map["weight_map"].values()))):
+            state.update(_safetensors(os.path.join(path, name), field))
         source = index
     else:
         source = os.path.join(path, "model.safetensors")
-        state = load_file(source)
+        state = _safetensors(source, field)
     return DrafterCheckpoint(source=source, kind="pretrained", config=config, state_dict=state)
 
 
-def load_checkpoint(path: str) -> DrafterCheckpoint:
-    kind, where = resolve_source(path)
-    ckpt = _load_specforge(where) if kind == "specforge" else _load_pretrained(where)
-    _check_weights(ckpt)
+def _read(path: str, field: str) -> DrafterCheckpoint:
+    kind, where = resolve_source(path, field)
+    ckpt = _load_specforge(where, field) if kind == "specforge" else _load_pretrained(where, field)
+    check_finite_tensors(ckpt.state_dict, field, ckpt.source)  # a NaN weight would still "work" downstream
     return ckpt
 
 
-def _check_weights(ckpt: DrafterCheckpoint) -> None:
+def load_checkpoint(path: str, field: str = "CHECKPOINT") -> DrafterCheckpoint:
+    """The drafter at `path` (any form the table above lists), its weights checked: exactly the drafter's
+    parameters, every value finite. `field` is the flag or config field that named it (in every error)."""
+    ckpt = _read(path, field)
+    _check_weights(ckpt, field)
+    return ckpt
+
+
+def _check_weights(ckpt: DrafterCheckpoint, field: str = "CHECKPOINT") -> None:
     """The weights must be exactly the drafter's parameters (a CSBP drafter, not something else)."""
     cls = DFlash2DraftModel if ckpt.architecture == "DFlash2DraftModel" else DFlashDraftModel
     with torch.device("meta"):
@@ -155,13 +209,11 @@ def _check_weights(ckpt: DrafterCheckpoint) -> None:
     wrong = sorted(k for k in expected.keys() & got.keys() if expected[k] != got[k])
     if missing or unexpected or wrong:
         raise ValueError(
-            f"CHECKPOINT: {ckpt.source} does not hold a {ckpt.architecture} of its config "
+            f"{field}: {ckpt.source} does not hold a {ckpt.architecture} of its config "
             f"(missing {missing[:3]}, unexpected {unexpected[:3]}, wrong shapes {wrong[:3]})"
         )
 
 
-def load_drafter_state(path: str) -> dict[str, torch.Tensor]:
-    """Drafter weights for a warm start (model.draft_checkpoint_path)."""
-    kind, where = resolve_source(path)
-    ckpt = _load_specforge(where) if kind == "specforge" else _load_pretrained(where)
-    return ckpt.state_dict
+def load_drafter_state(path: str, field: str = "model.draft_checkpoint_path") -> dict[str, torch.Tensor]:
+    """Drafter weights for a warm start (model.draft_checkpoint_path), every value finite."""
+    return _read(path, field).state_dict

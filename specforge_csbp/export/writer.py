@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import __version__
+from ..compat import check_drafter_target, read_target_config
 from ..errors import load_json
 from ..models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel
 from ..outputs import file_sha256, staged_dir
@@ -145,6 +146,9 @@ def export_drafter(
         raise ValueError(f"--dtype must be one of {', '.join(_DTYPES)}; got {dtype!r}")
     _check_out(out, overwrite)
     ckpt = load_checkpoint(checkpoint)
+    if target is not None:  # the serve commands name it: it must be the target this drafter reads
+        check_drafter_target(ckpt.config, read_target_config(target, "--target"), f"CHECKPOINT {checkpoint}",
+                             f"--target {target}")  # fmt: skip
     declared = target_dtype(target)
     if dtype is not None:
         dtype_name, dtype_source = dtype, "--dtype"

@@ -8,7 +8,9 @@ that differs is named:
     model.draft_checkpoint_path: its drafter has num_hidden_layers=2, model.draft_model_config has 1; ...
 
 Where the checkpoint keeps its config: a pretrained directory's config.json, or a SpecForge checkpoint's
-`training_state.pt` (`csbp_draft_config`, the plugin's resume contract; read memory-mapped).
+`training_state.pt` (`csbp_draft_config`, the plugin's resume contract; read memory-mapped). The weights a
+warm start or a resume would load are checked finite too (preflight.check_finite_tensors), naming the
+tensor and the file: a NaN weight trains on as NaN losses from step 1.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import os
 from typing import Any
 
 from ..errors import load_json
+from ..export.checkpoint import load_drafter_state
+from ..preflight import check_finite_tensors
 
 __all__ = ["check_resume_config", "check_warm_start", "first_difference", "saved_draft_config"]
 
@@ -75,6 +79,18 @@ def saved_draft_config(path: str) -> dict | None:
     return json.loads(text) if isinstance(text, str) else None
 
 
+def _check_finite_resume(path: str) -> None:
+    import torch
+
+    state_file = _state_file(path)
+    if state_file is None:
+        return
+    state = torch.load(state_file, map_location="cpu", weights_only=False, mmap=True)
+    weights = state.get("draft_state_dict") if isinstance(state, dict) else None
+    if isinstance(weights, dict):
+        check_finite_tensors(weights, "training.resume_from", state_file)
+
+
 def _check(path: str, field: str, draft: dict, action: str) -> None:
     saved = saved_draft_config(path)
     if saved is None:
@@ -91,8 +107,11 @@ def _check(path: str, field: str, draft: dict, action: str) -> None:
 def check_warm_start(path: str, draft: dict) -> None:
     _check(path, "model.draft_checkpoint_path", draft,
            "warm-start from a drafter of this config, or change model.draft_model_config to match it")  # fmt: skip
+    if os.path.exists(os.path.expanduser(path.removeprefix("file://"))):
+        load_drafter_state(path, "model.draft_checkpoint_path")  # the workers' loader: readable, finite weights
 
 
 def check_resume_config(path: str, draft: dict) -> None:
     _check(path, "training.resume_from", draft,
            "resume with the drafter config the checkpoint was trained with, or start a new run")  # fmt: skip
+    _check_finite_resume(path)

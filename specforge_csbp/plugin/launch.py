@@ -22,6 +22,7 @@ import sys
 
 import torch
 
+from ..compat import check_disjoint, check_pair, drafter_side, read_target_config, store_side, target_side
 from ..data.manifest import config_hash
 from ..data.store import FeatureStore
 from ..distributed import relay
@@ -74,21 +75,21 @@ def preflight(prepared: PreparedRun) -> None:
     path = cfg.data.hidden_states_path
     check_store_path(path)
     store = FeatureStore(path, verify="trust")
-    manifest = store.manifest
     draft = _draft_config_dict(cfg.model.draft_model_config) if cfg.model.draft_model_config else None
-    ids = (draft or {}).get("dflash_config", {}).get("target_layer_ids")
-    if ids is not None and [int(i) for i in ids] != list(manifest.target_layer_ids):
-        raise ValueError(
-            f"data.hidden_states_path: the feature store holds target layers {list(manifest.target_layer_ids)} but "
-            f"model.draft_model_config needs dflash_config.target_layer_ids {[int(i) for i in ids]}"
-        )
-    hidden = (draft or {}).get("hidden_size")
-    if hidden is not None and int(hidden) != manifest.hidden_size:
-        raise ValueError(
-            f"data.hidden_states_path: the feature store holds hidden size {manifest.hidden_size} but "
-            f"model.draft_model_config has hidden_size {hidden}"
-        )
-    _check_target(cfg.model.target_model_path, manifest)
+    stores = {"data.hidden_states_path": store}
+    if cfg.data.eval_hidden_states_path:  # held-out store: the same checks, before any worker (not in them)
+        check_store_path(cfg.data.eval_hidden_states_path, "data.eval_hidden_states_path")
+        stores["data.eval_hidden_states_path"] = FeatureStore(cfg.data.eval_hidden_states_path, verify="trust")
+    for field, each in stores.items():
+        _check_store_fits(field, each.manifest, draft)
+        _check_target(cfg.model.target_model_path, each.manifest, field)
+    target = cfg.model.target_model_path
+    if draft is not None and target and os.path.isfile(os.path.join(target, "config.json")):  # hub names: workers
+        check_pair(drafter_side(f"model.draft_model_config={cfg.model.draft_model_config}", draft),
+                   target_side(f"model.target_model_path={target}", read_target_config(target, "model.target_model_path")),
+                   advice="use the drafter config built for this target (or the target it was built for)")  # fmt: skip
+    if len(stores) == 2:
+        _check_eval_store(path, store, cfg.data.eval_hidden_states_path, stores["data.eval_hidden_states_path"])
     if "LOCAL_RANK" in os.environ:
         return  # a torchrun worker: its launcher ran the checks below (they read files: once per run)
     check_store_trainable(store, int(cfg.data.max_length))
@@ -99,7 +100,32 @@ def preflight(prepared: PreparedRun) -> None:
             check_resume_config(cfg.training.resume_from, draft)
 
 
-def _check_target(target_path: str, manifest) -> None:
+def _check_store_fits(field: str, manifest, draft: dict | None) -> None:
+    """The store must hold the target layers and hidden size the drafter config reads."""
+    ids = (draft or {}).get("dflash_config", {}).get("target_layer_ids")
+    if ids is not None and [int(i) for i in ids] != list(manifest.target_layer_ids):
+        raise ValueError(
+            f"{field}: the feature store holds target layers {list(manifest.target_layer_ids)} but "
+            f"model.draft_model_config needs dflash_config.target_layer_ids {[int(i) for i in ids]}"
+        )
+    hidden = (draft or {}).get("hidden_size")
+    if hidden is not None and int(hidden) != manifest.hidden_size:
+        raise ValueError(
+            f"{field}: the feature store holds hidden size {manifest.hidden_size} but "
+            f"model.draft_model_config has hidden_size {hidden}"
+        )
+
+
+def _check_eval_store(train_path: str, train, eval_path: str, held) -> None:
+    """The held-out store must come from the training store's target and layers, and share no sample."""
+    left = store_side(f"data.eval_hidden_states_path={eval_path}", held.manifest)
+    right = store_side(f"data.hidden_states_path={train_path}", train.manifest)
+    check_pair(left, right, advice="hold out samples of the same capture (capture --eval-fraction F writes OUT-eval)")
+    check_disjoint(left, held.manifest, right, train.manifest,
+                   advice="recapture with one --eval-fraction (capture --overwrite), or point at another store")  # fmt: skip
+
+
+def _check_target(target_path: str, manifest, field: str = "data.hidden_states_path") -> None:
     """The target's config must be the one the store was captured from (hash of its config.json)."""
     if manifest.target.config_sha256 is None or not target_path or not os.path.exists(target_path):
         return  # a hub name: resolved (and checked) in the workers
@@ -112,7 +138,7 @@ def _check_target(target_path: str, manifest) -> None:
     if config_hash(config) != manifest.target.config_sha256:
         raise ValueError(
             f"model.target_model_path={target_path}: its config is not the one the feature store "
-            f"(data.hidden_states_path) was captured from ({manifest.target.name}); use that target or recapture"
+            f"({field}) was captured from ({manifest.target.name}); use that target or recapture"
         )
 
 

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from ..errors import load_config
 from ..parallel.options import AttentionOptions
 from ..preflight import check_finite
+from ..values import parse_override
 from .data import check_store_path
 from .keep_logits import resolve_keep_logits
 
@@ -219,7 +220,8 @@ def _apply_csbp_override(section: dict, item: str) -> None:
         raise ValueError(
             f"override {key!r}: unknown field; the csbp section has {', '.join(CSBPOptions.model_fields)}"
         )
-    section[name] = None if value.strip().lower() in ("null", "none", "") else value
+    # read as the same text is in the YAML file (values.parse_override), so the two spellings agree
+    section[name] = None if value.strip().lower() in ("null", "none", "") else parse_override(value)
 
 
 def _translate_strategy(strategy: str) -> str:

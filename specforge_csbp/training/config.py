@@ -11,16 +11,17 @@ and every error is one line naming the field:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from ..errors import format_validation_error, load_yaml
+from ..values import parse_override, size_field
 
 __all__ = [
     "ParallelConfig",
     "Section",
+    "Size",
     "TrainConfig",
     "apply_overrides",
     "format_validation_error",
@@ -29,6 +30,9 @@ __all__ = [
 
 R = TypeVar("R", bound=BaseModel)
 
+
+#: a size field: an int, or a string with a K/M/G suffix (values.parse_size); bounds stay the field's own
+Size = Annotated[int, BeforeValidator(size_field)]
 
 class Section(BaseModel):
     """A recipe section: unknown fields are errors, values are validated on assignment too."""
@@ -135,13 +139,6 @@ class TrainConfig(Section):
         return self
 
 
-def _parse_value(text: str) -> Any:
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-
-
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested dict, in place."""
     for item in overrides:
@@ -155,7 +152,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(child, dict):
                 raise ValueError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not a section")
             node = child
-        node[parts[-1]] = _parse_value(value)
+        node[parts[-1]] = parse_override(value)
     return data
 
 

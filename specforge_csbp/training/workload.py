@@ -23,6 +23,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from ..preflight import check_finite_tensors
 from .context import TrainContext
 
 __all__ = ["MicroBatch", "Workload", "load_model", "save_model"]
@@ -65,10 +66,12 @@ def save_model(workload: Workload, model: nn.Module, path: Path) -> None:
 
 
 def load_model(workload: Workload, model: nn.Module, path: Path) -> None:
+    """The checkpoint's weights into `model`, then checked finite (a resume continues from them)."""
     custom = getattr(workload, "load_model", None)
     if custom is not None:
         custom(model, path)
-        return
-    from safetensors.torch import load_model as st_load
+    else:
+        from safetensors.torch import load_model as st_load
 
-    st_load(model, str(path / "model.safetensors"), device=str(next(model.parameters()).device))
+        st_load(model, str(path / "model.safetensors"), device=str(next(model.parameters()).device))
+    check_finite_tensors(dict(model.named_parameters()), "train.output_dir", path)

@@ -132,7 +132,7 @@ def _state(pid: int) -> str:
     "text, message",
     [
         ('[a]\nruns = [{ bench = "gpu", contexts = ["1K"] }]', "a.runs[0].bench: must be one of drafter, attention"),
-        ('[a]\nbench = "drafter"\nruns = [{ contexts = ["64Q"] }]', "a.runs[0].contexts must be a positive integer"),
+        ('[a]\nbench = "drafter"\nruns = [{ contexts = ["64Q"] }]', "a.runs[0].contexts must be an integer >= 1 with an optional K/M/G suffix"),
         ('[a]\nbench = "drafter"\nrun = [{ contexts = ["64K"] }]', "a: unknown field 'run'; allowed: anchors, args"),
         ('[a]\nbench = "drafter"\nruns = [{ contexts = ["64K"], gpus = "2" }]', "a.runs[0].gpus: must be an integer; got '2'"),
         ('[a]\nbench = "drafter"\nruns = [{ limit_s = 10 }]', "a.runs[0].contexts: at least one context"),

@@ -37,12 +37,12 @@ def files(tmp_path_factory):
 # id -> (arguments; {root} is the fixture directory, expected text of the one line)
 CASES = {
     "eval-hidden-size": (["--drafter", "{root}/hidden"],
-                         "hidden_size: the drafter has 32, the target 64"),
-    "eval-vocab": (["--drafter", "{root}/vocab"], "vocab_size: the drafter has 600, the target 512"),
+                         "--drafter {root}/hidden and --target {root}/target do not belong together: hidden_size "
+                         "is 32 in --drafter but 64 in --target"),
+    "eval-vocab": (["--drafter", "{root}/vocab"], "vocab_size is 600 in --drafter but 512 in --target"),
     "eval-layer-ids": (["--drafter", "{root}/last_layer"],
                        "dflash_config.target_layer_ids: need unique ids in [0, 4] for a target with 6 layers"),
-    "eval-target-layers": (["--drafter", "{root}/layers"],
-                           "num_target_layers: the drafter was built for a target of 8 layers, this target has 6"),
+    "eval-target-layers": (["--drafter", "{root}/layers"], "num_target_layers is 8 in --drafter but 6 in --target"),
     "eval-mask-token": (["--drafter", "{root}/mask"],
                         "dflash_config.mask_token_id = 512 must be in 0..vocab_size-1 = 511"),
     "eval-prompt-length": (["--prompts", "{root}/long.jsonl"],
@@ -57,7 +57,7 @@ CASES = {
                             "--prompts: {root}/bad.jsonl:1 needs one of the fields input_ids, text, messages"),
     "eval-store-path": (["--store", "{root}/missing"], "--store: {root}/missing does not exist"),
     "eval-split": (["--split", "eval"], "--split: only with --store (a split of a feature store)"),
-    "eval-max-new-tokens": (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1; got 0"),
+    "eval-max-new-tokens": (["--max-new-tokens", "0"], "argument --max-new-tokens: must be an integer >= 1"),
     "eval-out-dir": (["--out", "{root}/nowhere/out.json"], "--out: the directory {root}/nowhere does not exist"),
     "eval-bucket-edges": (["--bucket-edges", "0,4K,2K"],
                           "--bucket-edges: expected increasing positions starting at 0, like 0,4K,16K; got '0,4K,2K'"),

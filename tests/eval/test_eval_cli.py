@@ -9,9 +9,11 @@ import os
 import pytest
 import torch
 
-from specforge_csbp.assets import materialize_tiny_target
+from transformers import AutoConfig
+
+from specforge_csbp.assets import TINY_TARGET_DIR, materialize_tiny_target
 from specforge_csbp.cli.main import main
-from specforge_csbp.data.manifest import TargetInfo
+from specforge_csbp.data.manifest import TargetInfo, config_hash
 from specforge_csbp.data.store import FeatureStoreWriter
 from specforge_csbp.eval import store_prompts
 from specforge_csbp.export.writer import export_drafter
@@ -74,7 +76,9 @@ def test_untrained_baseline_runs_from_the_same_config(files, capsys, tmp_path):
 
 
 def _store(root, samples, target_layer_ids=(1, 3)):
-    info = TargetInfo(name="tiny", config_sha256="0" * 64, num_hidden_layers=6)
+    # the tiny target's own config hash: eval checks a store against --target before decoding
+    info = TargetInfo(name="tiny", config_sha256=config_hash(AutoConfig.from_pretrained(TINY_TARGET_DIR)),
+                      num_hidden_layers=6)  # fmt: skip
     with FeatureStoreWriter(str(root), target=info, target_layer_ids=list(target_layer_ids), hidden_size=64,
                             dtype="float32") as writer:  # fmt: skip
         for i, (ids, mask) in enumerate(samples):

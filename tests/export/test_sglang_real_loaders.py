@@ -325,7 +325,8 @@ def test_an_export_for_a_bf16_target_is_bf16_in_sglang(tmp_path):
     weights holding the trained values rounded to bf16."""
     target = tmp_path / "target"
     target.mkdir()
-    (target / "config.json").write_text(json.dumps({"model_type": "qwen3", "torch_dtype": "bfloat16"}))
+    (target / "config.json").write_text(json.dumps({"model_type": "qwen3", "torch_dtype": "bfloat16", "hidden_size": 32,
+                                                    "vocab_size": 64, "num_hidden_layers": 6}))  # _tiny's target
     model = _tiny(True)
     model.save_pretrained(tmp_path / "trained")
     out = str(tmp_path / "export")

@@ -137,7 +137,9 @@ def test_floors_and_serve_commands(tmp_path, capsys):
 def _target(tmp_path, **fields):
     path = tmp_path / "target"
     path.mkdir(exist_ok=True)
-    (path / "config.json").write_text(json.dumps({"model_type": "qwen3", **fields}))
+    # the target _tiny's drafter reads (export checks the pair: hidden size, vocabulary, depth)
+    target = {"model_type": "qwen3", "hidden_size": 32, "vocab_size": 64, "num_hidden_layers": 6}
+    (path / "config.json").write_text(json.dumps({**target, **fields}))
     return str(path)
 
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from ...masks.visibility import CLEAN_RULES
 from ...parallel import AttentionOptions, ShardedAttention, bdlm_attention
+from ...preflight import check_finite_tensors, check_weights_dir
 from .routing import ATTENTION_NAME, ROUTE_KWARG, Route, check_routable, keep_attention_outputs, register_attention
 
 __all__ = ["BDLMModel", "COMPILE_SCOPES"]
@@ -134,7 +135,15 @@ class BDLMModel(nn.Module):
         except (OSError, ValueError) as err:
             first = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise ValueError(f"model.pretrained: {path} is not a save_pretrained directory ({first})") from None
-        lm = AutoModelForCausalLM.from_pretrained(path, **_load_kwargs(config, dtype))
+        check_weights_dir(path, "model.pretrained")
+        try:
+            lm = AutoModelForCausalLM.from_pretrained(path, **_load_kwargs(config, dtype))
+        except Exception as err:  # a truncated or mismatched weights file (an out of memory stays itself)
+            if not isinstance(err, (OSError, ValueError)) and type(err).__name__ != "SafetensorError":
+                raise
+            first = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+            raise ValueError(f"model.pretrained: cannot load the weights of {path} ({first})") from None
+        check_finite_tensors(dict(lm.named_parameters()), "model.pretrained", path)
         return cls(lm, **kwargs)
 
     # -- properties ----------------------------------------------------------------------------------

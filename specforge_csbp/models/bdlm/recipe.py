@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ...layout.plans import check_bdlm_shape
 from ...objectives.convert import ConvertObjective
 from ...objectives.sft import SFTObjective
-from ...training.config import ParallelConfig, Section, TrainConfig
+from ...preflight import check_local_path, check_weights_dir, check_writable_dir
+from ...training.config import ParallelConfig, Section, Size, TrainConfig
 from .adapter import BDLMModel
 from .data import JsonlSource, SyntheticSource
 from .routing import check_routable, check_windows
@@ -44,7 +45,7 @@ class ModelSection(Section):
 class DataSection(Section):
     source: Literal["synthetic", "jsonl"] = "synthetic"
     path: str | None = None
-    max_length: int = Field(
+    max_length: Size = Field(
         256, ge=1, description="clean tokens per sequence; a multiple of model.block_size"
     )
     pad_token_id: int = Field(0, ge=0)
@@ -67,7 +68,7 @@ class ObjectiveSection(Section):
     weighting: Literal["inv_t", "unit"] = "inv_t"
     denominator: Literal["eligible", "masked"] = "eligible"
     exclude_mask_from_softmax: bool = True
-    ce_chunk_size: int = Field(4096, ge=1)
+    ce_chunk_size: Size = Field(4096, ge=1)
     router_aux_loss_coef: float | None = Field(
         None, ge=0, description="MoE load-balancing loss weight; default: the model config's "
         "router_aux_loss_coef when config.output_router_logits, else 0"
@@ -100,13 +101,16 @@ def _hf_config(model: ModelSection):
     from transformers import AutoConfig
 
     if model.pretrained is not None:
+        check_local_path(model.pretrained, "model.pretrained")
         try:
-            return AutoConfig.from_pretrained(model.pretrained)
+            config = AutoConfig.from_pretrained(model.pretrained)
         except (OSError, ValueError) as err:
             first = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise ValueError(
                 f"model.pretrained: {model.pretrained} is not a save_pretrained directory ({first})"
             ) from None
+        check_weights_dir(model.pretrained, "model.pretrained")  # a config alone would fail in every rank
+        return config
     cfg = dict(model.config)
     model_type = cfg.pop("model_type", None)
     if model_type is None:
@@ -122,6 +126,8 @@ def preflight(recipe: BDLMRecipe, world_size: int) -> None:
     whether the model's attention can be routed (checked on a meta-device instance, no weights)."""
     from transformers import AutoModelForCausalLM
 
+    if recipe.train.output_dir is not None:  # in the launcher, before any rank starts (the ranks check it again)
+        check_writable_dir(recipe.train.output_dir, "train.output_dir")
     _, cp = recipe.parallel.degrees(world_size)
     mode = recipe.parallel.mode if cp > 1 else "reference"
     try:
