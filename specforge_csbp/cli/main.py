@@ -10,6 +10,7 @@ import sys
 
 from .. import __version__
 from ..errors import is_user_error, one_line
+from ..stack import CORE, PLUGIN, check_stack
 
 __all__ = ["build_parser", "main"]
 
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_stack(PLUGIN if args.command == "train" else CORE)  # `train` runs SpecForge's trainer
         return int(args.func(args) or 0)
     except Exception as err:  # a user's input or machine (bad value, file, disk full): one line; bugs: traceback
         if not is_user_error(err):
