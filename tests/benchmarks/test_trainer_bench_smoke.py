@@ -67,7 +67,7 @@ def test_bad_arguments_name_the_flag():
                                   "--warmup", "2", "--profile-steps", "1"])  # fmt: skip
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="both trainers on the same bytes, each a 2-rank launch")
 def test_both_trainers_on_identical_bytes(tmp_path):
     work, out = tmp_path / "work", tmp_path / "rec.jsonl"
     rc = trainer_bench.main([

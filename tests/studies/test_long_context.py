@@ -60,7 +60,7 @@ def test_bucket_edges_parse():
             raise AssertionError(bad)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="every stage of the long-context study, each a command")
 def test_cpu_miniature_runs_every_stage(tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
