@@ -24,11 +24,13 @@ from tests.test_no_import_cycles import PACKAGE, import_graph
 # The architecture map, lowest first (docs/architecture.md draws the same order top to bottom).
 ORDER = [
     "",  # the package root: __version__ only
+    "stack",  # the supported releases, checked at start-up (metadata only)
     "layout",
     "values",  # the one parser per kind of value (sizes, override values)
     "preflight",
     "errors",  # reads a user's files through preflight.check_input_file
     "outputs",
+    "progress",  # tqdm bars that print plain lines off a terminal
     "devices",
     "masks",
     "attention",

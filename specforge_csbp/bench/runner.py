@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import ValidationError
-from tqdm import tqdm
 
 from .grid import SweepPoint
+from ..progress import progress_bar
 from .processes import run_group
 from .provenance import library_digest
 from .records import BenchRecord, load_records, write_records
@@ -208,7 +208,7 @@ def run_sweep(
             oom_at[_family(p)] = min(oom_at.get(_family(p), p.context_len), p.context_len)
 
     summary = SweepSummary(records_path=records_path)
-    bar = tqdm(points, desc="sweep", unit="pt", disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(points, desc="sweep", unit="pt", disable=not progress, dynamic_ncols=True)
     for point in bar:
         if point.key in done:
             summary.resumed += 1

@@ -25,10 +25,10 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from tqdm import tqdm
 
 from ..errors import load_json
 from ..preflight import check_input_file, check_writable_dir
+from ..progress import progress_bar
 from ..values import parse_ints, size_arg
 
 __all__ = ["layer_ids_from_draft_config", "parse_layer_ids", "register", "run"]
@@ -316,7 +316,11 @@ def run(args: argparse.Namespace) -> int:
         with contextlib.ExitStack() as stack:
             writer = stack.enter_context(writer_for(args.out))
             eval_writer = stack.enter_context(writer_for(eval_out)) if eval_out else None
-            bar = tqdm(_records(args.data), total=total, desc="capture", unit="sample", disable=args.no_progress)
+            bar = stack.enter_context(  # closed on the way out: its last line reaches a log file
+                progress_bar(
+                    _records(args.data), total=total, desc="capture", unit="sample", disable=args.no_progress
+                )
+            )
             _capture(args, bar, writer, eval_writer, fraction, tokenizer, features, vocab, counts)
             if counts.stored + counts.present + counts.held == 0:
                 raise ValueError(

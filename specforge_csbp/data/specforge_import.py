@@ -24,8 +24,8 @@ import os
 from collections.abc import Callable, Sequence
 
 import torch
-from tqdm import tqdm
 
+from ..progress import progress_bar
 from .manifest import FEATURE_DTYPES, StoreManifest, TargetInfo
 from .store import FeatureStoreWriter
 
@@ -95,7 +95,7 @@ def import_specforge_records(
     writer = None
     ok = False
     try:
-        for index, path in enumerate(tqdm(files, desc="import", unit="sample", disable=not progress)):
+        for index, path in enumerate(progress_bar(files, desc="import", unit="sample", disable=not progress)):
             ids, mask, hidden = _read_record(path, width, len(target_layer_ids), hidden_size, max_length)
             if writer is None:
                 store_dtype = dtype or str(hidden.dtype).replace("torch.", "")

@@ -18,6 +18,7 @@ from ..outputs import pyplot, save_figure_atomic
 from ..preflight import check_finite_tensors
 from .choices import DEVICES
 from .drafter import DraftContext
+from ..progress import progress_bar
 from .load import (
     check_pair,
     check_positions,
@@ -105,10 +106,8 @@ def shape_stable_sdpa():
 
 def _run_prompts(runner, drafter, target, prompts, max_new_tokens, *, device, prefill_chunk, stop_ids, progress,
                  proposer_factory) -> list[SequenceResult]:  # fmt: skip
-    from tqdm.auto import tqdm
-
     results: list[SequenceResult] = []
-    bar = tqdm(total=len(prompts) * max_new_tokens, unit="tok", desc="eval", disable=not progress,
+    bar = progress_bar(total=len(prompts) * max_new_tokens, unit="tok", desc="eval", disable=not progress,
                dynamic_ncols=True)  # fmt: skip
     accepted = steps = 0
     try:

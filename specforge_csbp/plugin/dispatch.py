@@ -6,7 +6,8 @@ when its config (after `training.strategy=...` overrides) names one of the plugi
 `benchmark`, `--help` - goes to SpecForge's own `main` unchanged; `specforge train --help` additionally
 prints the plugin's flags after SpecForge's help.
 
-This module imports only the standard library, PyYAML and the package's readers (errors.py); the launcher
+This module imports only the standard library, PyYAML, the package's readers (errors.py) and
+the supported-stack check (stack.py, installed metadata only); the launcher
 (torch, specforge) loads only when the command line is the plugin's.
 """
 
@@ -16,6 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from ..errors import load_config
+from ..stack import PLUGIN, check_stack
 
 __all__ = ["PLUGIN_FLAGS", "PLUGIN_STRATEGIES", "claims", "dispatch", "strategy_of"]
 
@@ -87,6 +89,11 @@ def _stock_train_help(original: Callable, argv) -> int:
 def dispatch(original: Callable, argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if claims(args):
+        try:  # before torch loads: a release outside the tested range is refused in one line
+            check_stack(PLUGIN)
+        except ValueError as err:
+            print(f"specforge train: error: {err}", file=sys.stderr)
+            return 2
         # lazy: start-up of every `specforge` command (torch, pydantic: CSBP runs only)
         from .launch import train_main
 

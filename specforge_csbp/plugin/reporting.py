@@ -38,6 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..progress import interactive, progress_bar
+
 __all__ = ["LONG_FROM_SCRATCH", "METRICS_FILE", "PLATEAU_TAU", "PlateauCheck", "ProgressConsole", "install"]
 
 METRICS_FILE = "metrics.jsonl"
@@ -120,12 +122,10 @@ class ProgressConsole:
     def make_bar(self, initial: int = 0):
         """The run's progress bar on rank 0 of an interactive terminal, else None (SpecForge calls
         `update(1)` per optimizer step and closes it)."""
-        if not (self.rank0 and sys.stderr.isatty()):
+        if not (self.rank0 and interactive(sys.stderr)):
             self.bar = None
             return None
-        from tqdm import tqdm
-
-        self.bar = tqdm(
+        self.bar = progress_bar(
             total=self.total, initial=initial, desc="Training", unit="step", mininterval=1.0,
             dynamic_ncols=True, file=sys.stderr,
         )  # fmt: skip

@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from tqdm.auto import tqdm
 
 from ..distributed.launch import free_port, heartbeat, init_from_env, spawn
 from ..outputs import write_text_atomic
+from ..progress import progress_bar
 from .checkpoint import load_trainer_state, save_checkpoint
 from .checkpointing import (
     CheckpointingChoice,
@@ -355,7 +355,9 @@ def train(
     flops = workload.flops_per_step(ctx)
     peak = peak_device_tflops(ctx.device, train.peak_tflops)
     history: list[dict] = []
-    bar = tqdm(total=train.steps, initial=start, disable=not (ctx.is_main and train.progress), desc="train")
+    bar = progress_bar(
+        total=train.steps, initial=start, disable=not (ctx.is_main and train.progress), desc="train"
+    )
     log_file = _open_log(train, ctx, start)
     memory_scale = 1.0  # the memory model's peaks times this (`_step_down`, after a step ran out of memory)
     try:

@@ -44,7 +44,7 @@ def trainer_bench_args(argv):
     return vars(trainer_bench.parse_args(argv))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="a short batch and a long sample, each through the trainer")
 def test_short_batch_against_long_sample_through_the_trainer(tmp_path, capsys):
     out = tmp_path / "rec.jsonl"
     rc = batch_bench.main(["--draft-config", DRAFTER, "--no-dflash2", "--context", "512", "--batch-size", "4",

@@ -83,7 +83,7 @@ def test_first_and_later_pass_steps():
         trainer_bench.parse_args(["--draft-config", DRAFTER, "--work", "w", "--out", "o", "--store-verify", "full"])
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="both trainers on the same bytes, each a 2-rank launch")
 def test_both_trainers_on_identical_bytes(tmp_path):
     work, out = tmp_path / "work", tmp_path / "rec.jsonl"
     rc = trainer_bench.main([

@@ -285,6 +285,7 @@ def _quickstart_steps() -> list[str]:
     return steps[:4]
 
 
+@pytest.mark.slow(reason="the quickstart's target, capture, specforge train --csbp and export commands, each a process")
 def test_quickstart_export_loads_exactly_in_sglang(tmp_path):
     """scripts/quickstart.sh's own commands (target, capture, `specforge train --csbp`, export), run into
     tmp_path with one epoch instead of four; its export then goes through SGLang's real loaders."""

@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 import yaml
 
@@ -45,6 +46,7 @@ def _train(args: list[str], cwd: str) -> subprocess.CompletedProcess:
     return done
 
 
+@pytest.mark.slow(reason="specforge train --csbp on 2 gloo ranks, then export and SGLang's loader contract")
 def test_specforge_train_csbp_then_sglang_export(tmp_path):
     from specforge_csbp.cli.main import main as csbp_main
 

@@ -6,6 +6,7 @@ metrics.jsonl."""
 
 from __future__ import annotations
 
+import pytest
 import json
 import os
 
@@ -26,6 +27,7 @@ def _losses(out_dir) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in _logged(out_dir) if "loss" in m}  # JSON floats round-trip exactly
 
 
+@pytest.mark.slow(reason="two SpecForge training launches on 2 gloo ranks, with eval passes")
 def test_eval_during_training_changes_nothing_it_trains(tmp_path):
     from specforge_csbp.cli.main import main as csbp_main
     from specforge_csbp.export.checkpoint import load_checkpoint

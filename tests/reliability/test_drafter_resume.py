@@ -15,6 +15,7 @@ The kill comes from a test-only `sitecustomize` (on PYTHONPATH) that patches the
 
 from __future__ import annotations
 
+import pytest
 import os
 import subprocess
 import sys
@@ -118,6 +119,7 @@ def _ok(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return done
 
 
+@pytest.mark.slow(reason="three SpecForge training launches on 2 gloo ranks")
 def test_killed_drafter_run_resumes_bit_identically_and_reshards(tmp_path):
     build_run(tmp_path)
     ref = _ok(specforge_train(["-c", "run.yaml"], tmp_path))

@@ -162,7 +162,7 @@ def results(tmp_path_factory):
     return spawn_results(_worker, P, tmp_path_factory.mktemp("scale8"), timeout_s=300)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="one spawn of 8 gloo ranks over every exactness check")
 @pytest.mark.parametrize(
     "path, count",
     [("attention", len(list(_attention_cases()))), ("bdlm", 2 * len(MODES)), ("drafter", len(DRAFTER_CASES))],

@@ -65,7 +65,7 @@ def test_bucket_edges_parse():
 MINIATURE = ("swa-long", "swa-full-short", "swa-full-short-then-long-locality")
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="every stage of the long-context study, each a command")
 def test_cpu_miniature_runs_every_stage(tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}

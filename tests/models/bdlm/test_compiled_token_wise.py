@@ -49,6 +49,7 @@ def _compiled_modules(model: BDLMModel) -> dict[str, int]:
     return kinds
 
 
+@pytest.mark.slow(reason="inductor builds each family's token-wise C++ kernels (cold cache)")
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
 @pytest.mark.parametrize("setting", ["none", "recompute", "kept"])
 @pytest.mark.parametrize("scope", ["layers", "norms"])
