@@ -5,19 +5,22 @@
 On a terminal it is tqdm's own bar. Anywhere else - a log file, a pipe, CI - a redrawn bar would leave runs of
 carriage returns in the log, so the same object prints one plain line (tqdm's numbers: count, rate, postfix)
 at most every `interval_s` seconds, and a last one when it closes. `interactive(stream)` is the one test of
-"a terminal" (the plugin's SpecForge progress bar uses it too).
+"a terminal" (the plugin's SpecForge progress bar uses it too). The libraries' own bars (transformers'
+"Loading weights", huggingface_hub's downloads) are not ours to redraw: off a terminal `quiet_library_bars`
+turns them off, in this process and, through the environment, in every worker it starts.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import sys
 import time
 from typing import Any, TextIO
 
 from tqdm import tqdm
 
-__all__ = ["PlainProgress", "interactive", "progress_bar"]
+__all__ = ["PlainProgress", "interactive", "progress_bar", "quiet_library_bars"]
 
 PLAIN_INTERVAL_S = 30.0
 
@@ -76,3 +79,18 @@ def progress_bar(
     if interactive(stream):
         return tqdm(iterable, file=stream, **kwargs)
     return PlainProgress(iterable, file=stream, interval_s=interval_s, **kwargs)
+
+
+def quiet_library_bars(stream: Any = None) -> None:
+    """Off a terminal, switch off transformers' and huggingface_hub's own bars (they honour
+    HF_HUB_DISABLE_PROGRESS_BARS when imported; transformers' switch covers one already imported). A user's own
+    setting of the variable wins."""
+    if interactive(sys.stderr if stream is None else stream):
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] != "1":
+        return
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging  # lazy: only when the caller already loaded it
+
+        hf_logging.disable_progress_bar()

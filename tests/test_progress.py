@@ -91,3 +91,23 @@ def test_capture_and_eval_logs_hold_no_carriage_returns(tmp_path, eval_files):
         "--out", str(tmp_path / "e.json"),
     ])  # fmt: skip
     assert "\r" not in evaluated and "eval: 6/6 [" in evaluated
+
+
+def test_library_bars_are_off_only_off_a_terminal(monkeypatch):
+    """transformers' own bars ("Loading weights") would write carriage returns into a log: off a terminal they are
+    switched off here and, through the environment, in every worker; on a terminal nothing changes."""
+    from transformers.utils import logging as hf_logging
+
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    hf_logging.enable_progress_bar()
+    try:
+        progress.quiet_library_bars(_Terminal())
+        assert "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ and hf_logging.is_progress_bar_enabled()
+        progress.quiet_library_bars(io.StringIO())
+        assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1" and not hf_logging.is_progress_bar_enabled()
+        hf_logging.enable_progress_bar()
+        monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "0")  # the user's own choice wins
+        progress.quiet_library_bars(io.StringIO())
+        assert hf_logging.is_progress_bar_enabled()
+    finally:
+        hf_logging.enable_progress_bar()

@@ -10,6 +10,7 @@ import sys
 
 from .. import __version__
 from ..errors import is_user_error, one_line
+from ..progress import quiet_library_bars
 from ..stack import CORE, PLUGIN, check_stack
 
 __all__ = ["build_parser", "main"]
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         check_stack(PLUGIN if args.command == "train" else CORE)  # `train` runs SpecForge's trainer
+        quiet_library_bars()  # transformers' "Loading weights" bar would leave carriage returns in a log
         return int(args.func(args) or 0)
     except Exception as err:  # a user's input or machine (bad value, file, disk full): one line; bugs: traceback
         if not is_user_error(err):
