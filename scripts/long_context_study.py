@@ -21,6 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from specforge_csbp.progress import quiet_library_bars  # noqa: E402
 from specforge_csbp.studies.long_context.study import SCALES, STAGES, carry_paths, run_stage  # noqa: E402
 
 
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage == "carry":
         print("\n".join(carry_paths(run)))
         return 0
+    quiet_library_bars()  # the study's own model loads and saves; its commands quiet their own
     overrides = {} if args.target_minutes is None else {"target_minutes": args.target_minutes}
     if args.gpus is not None:
         overrides.update(nproc=args.gpus, cp_size=args.gpus)

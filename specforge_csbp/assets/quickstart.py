@@ -19,6 +19,7 @@ import json
 import os
 
 from ..outputs import write_text_atomic
+from ..progress import quiet_library_bars
 from .grammar import conversations
 from .target import TargetRecipe, build_target, greedy_answers
 
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("target_steps", "train_samples", "eval_prompts", "max_new_tokens"):
         if getattr(args, name) < 1:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    quiet_library_bars()  # transformers' save / load bars would leave carriage returns in a log
     recipe = TargetRecipe(seed=args.seed, steps=args.target_steps)
     target = build_target(os.path.join(args.out, "target"), recipe)
     build_data(
