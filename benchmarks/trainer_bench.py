@@ -12,8 +12,9 @@ sample for the first time.
     WORK/records/rows_0-2000/  SpecForge 0.2.0 offline DFlash records, data_{i}.ckpt (random features)
     WORK/store/                the same records imported with the project's import-specforge (the user's path)
     WORK/data.json             what the data is (context, samples, seed, target shape): --reuse-data checks it
-    WORK/{specforge,csbp,csbp-trust}/  each run's run.yaml, log.txt, peak.json; output/ (checkpoint) deleted
+    WORK/{specforge,csbp,csbp-trust}/  each run's run.yaml, peak.json; output/ (checkpoint) deleted
                                after each run (the trace is copied out first)
+    <--out's folder>/trainer_logs/<run>_<context>_<cache>-cache.log  each launch's output, streamed as it runs
 
     order   records -> stock `specforge train` -> import (each record deleted once stored, unless
             --keep-data) -> `specforge train --csbp` once per --store-verify value
@@ -77,8 +78,8 @@ import re
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
+import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
@@ -274,9 +275,15 @@ def run_config(args, mode: str, work: str, draft: str, data: str, length: int, o
     return run
 
 
-def launch(args, mode: str, run: dict, work: str, verify: str = "lazy") -> tuple[str, dict, int]:
-    """(stdout + stderr, peak memory, return code) of one trainer in a child process."""
+def launch(args, mode: str, run: dict, work: str, verify: str = "lazy") -> tuple[str, dict, int, float]:
+    """(stdout + stderr, peak memory, return code, wall seconds) of one trainer in a child process.
+
+    The child's output streams into `<--out's folder>/trainer_logs/<run>_<context>.log` as it runs, so a
+    launch stopped from outside (a scenario's limit) still leaves how far it got; the child runs in a
+    process group of its own and `--timeout` stops all of it (compile workers included)."""
     import yaml
+
+    from specforge_csbp.bench.processes import run_group
 
     folder = os.path.join(work, run_name(mode, verify))
     os.makedirs(folder, exist_ok=True)
@@ -286,25 +293,33 @@ def launch(args, mode: str, run: dict, work: str, verify: str = "lazy") -> tuple
     trainer = ["train", "-c", cfg_path]
     if mode == "csbp":
         trainer += ["--csbp", "csbp.cp_size=1", f"csbp.store_verify={verify}"]
-    cmd = [sys.executable, os.path.abspath(__file__), "--draft-config", args.draft_config, "--work", work,
+    cmd = [sys.executable, "-u", os.path.abspath(__file__), "--draft-config", args.draft_config, "--work", work,
            "--out", args.out, "--child", peak_path, "--", *trainer]  # fmt: skip
     env = dict(os.environ, SPECFORGE_CSBP_DISABLE="1", **({NO_CHECKPOINT_ENV: "1"} if not args.checkpoint else {}),
                PYTHONPATH=os.pathsep.join(
         [os.path.abspath(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))  # fmt: skip
-    print(f"== {run_name(mode, verify)}: {shlex.join(['specforge', *trainer])}", flush=True)
-    try:
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, check=False)
-        log, rc = done.stdout + done.stderr, done.returncode
-    except subprocess.TimeoutExpired as err:
-        out = err.stdout.decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
-        log, rc = out + f"\ntrainer_bench: {mode} ran past --timeout {args.timeout}s", 124
-    with open(os.path.join(folder, "log.txt"), "w") as f:
-        f.write(log)
+    log_path = launch_log_path(args, mode, verify)
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    print(f"== {run_name(mode, verify)}: {shlex.join(['specforge', *trainer])} (log: {log_path})", flush=True)
+    start = time.perf_counter()
+    with open(log_path, "w") as out:
+        rc, timed_out = run_group(cmd, args.timeout, grace_s=5.0, stdout=out, env=env)
+    wall_s = time.perf_counter() - start
+    with open(log_path) as f:
+        log = f.read()
+    if timed_out:
+        log, rc = log + f"\ntrainer_bench: {mode} ran past --timeout {args.timeout}s", 124
     peak = {}
     if os.path.exists(peak_path):
         with open(peak_path) as f:
             peak = json.load(f)
-    return log, peak, rc
+    return log, peak, rc, wall_s
+
+
+def launch_log_path(args, mode: str, verify: str = "lazy") -> str:
+    """Where one launch's output goes: beside the records file, so it comes back with them."""
+    folder = os.path.join(os.path.dirname(os.path.abspath(args.out)), "trainer_logs")
+    return os.path.join(folder, f"{run_name(mode, verify)}_{args.context}_{args.cache}-cache.log")
 
 
 def run_name(mode: str, verify: str = "lazy") -> str:
@@ -599,14 +614,18 @@ def main(argv=None) -> int:
         target = write_target(config, target_dir, generator, device)
         shutil.rmtree(records, ignore_errors=True)
         shutil.rmtree(store, ignore_errors=True)
+        began = time.perf_counter()
         write_records(config, records, length, args.samples, generator, device)
+        print(f"trainer_bench: target and {args.samples} records written in {time.perf_counter() - began:.0f} s", flush=True)
         with open(stamp_path, "w") as f:
             json.dump(stamp, f)
     disk_gbps = None
     failed = 0
     for mode in modes:
         if mode == "csbp" and not os.path.exists(os.path.join(store, "manifest.json")):
+            began = time.perf_counter()
             import_store(config, records, store, target, delete_records=not args.keep_data)
+            print(f"trainer_bench: store imported in {time.perf_counter() - began:.0f} s", flush=True)
             if not args.keep_data:
                 shutil.rmtree(records, ignore_errors=True)
         data = records if mode == "specforge" else store
@@ -618,10 +637,11 @@ def main(argv=None) -> int:
             run = run_config(args, mode, work, draft, data, length, on_gpu, dflash2=config.is_dflash2)
             run["output_dir"] = os.path.join(work, run_name(mode, verify), "output")
             cache = prepare_cache(args, data_files(data))
-            log, peak, rc = launch(args, mode, run, work, verify)
+            log, peak, rc, wall_s = launch(args, mode, run, work, verify)
             trace = newest_trace(run["output_dir"]) if args.profile_steps else None
             record = make_record(args, mode, length, block_size, log, peak, rc, device_name, name, trace,
                                  verify=verify, cache=cache, data_bytes_per_step=per_step, disk_gbps=disk_gbps)  # fmt: skip
+            record["launch_s"] = round(wall_s, 1)
             write(args.out, record)
             if trace is not None and args.trace_dir and os.path.getsize(trace) <= TRACE_LIMIT_BYTES:
                 os.makedirs(args.trace_dir, exist_ok=True)
@@ -629,7 +649,7 @@ def main(argv=None) -> int:
             failed += record["status"] != "ok"
             shown = {k: record.get(k) for k in ("status", "step_ms", "first_pass_step_ms", "first_pass_p90_ms",
                                                  "later_pass_step_ms", "data_wait_ms", "read_gbps_needed",
-                                                 "disk_read_gbps", "read_bound", "peak_mem_gib", "breakdown_ms",
+                                                 "disk_read_gbps", "read_bound", "peak_mem_gib", "breakdown_ms", "launch_s",
                                                  "error") if k in record}  # fmt: skip
             print(f"trainer_bench {run_name(mode, verify)} {args.context}: {json.dumps(shown)}", flush=True)
             shutil.rmtree(run["output_dir"], ignore_errors=True)  # the checkpoint (23 GB for the 27B shape)
