@@ -49,9 +49,11 @@ BENCHES = {
 RUN_FIELDS = {
     "bench": str, "gpus": int, "contexts": list, "modes": list, "shape": str, "anchors": int,
     "block_size": int, "workload": str, "args": list, "command": str, "limit_s": int, "point_timeout_s": int,
+    "reproduces": (str, list),
 }  # fmt: skip
-# reproduces: the record workload (drafter-qwen3.6-27b, sft, ...) whose headline rows the scenario remeasures
-SCENARIO_FIELDS = {"description": str, "reproduces": str, "runs": list, **RUN_FIELDS}
+# reproduces: the record workload(s) (drafter-qwen3.6-27b, sft, ...) whose headline rows a run remeasures; set on
+# the scenario it holds for each of its runs, set on a run it holds for that run
+SCENARIO_FIELDS = {"description": str, "runs": list, **RUN_FIELDS}
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class Run:
     command: str | None = None  # bench = "command": run through bash as written
     limit_s: int = 600  # the launch is stopped (its whole process group) after this many seconds
     point_timeout_s: int = 300  # sweep: each point's own limit
+    reproduces: tuple[str, ...] = ()  # the record workloads whose points this run remeasures
 
 
 @dataclass(frozen=True)
@@ -77,17 +80,14 @@ class Scenario:
     name: str
     description: str
     runs: tuple[Run, ...] = field(default_factory=tuple)
-    reproduces: str | None = None  # the record workload whose points its runs remeasure
 
 
 def rerun_command(scenarios: dict[str, Scenario], workload: str, world_size: int, context_len: int,
                   anchors: int | None = None) -> str | None:  # fmt: skip
     """`NAME --contexts L` of the first scenario that remeasures CSBP at this point, None when none does."""
     for sc in scenarios.values():
-        if sc.reproduces != workload:
-            continue
         for run in sc.runs:
-            if (run.gpus == world_size and "csbp" in run.modes
+            if (workload in run.reproduces and run.gpus == world_size and "csbp" in run.modes
                     and (run.anchors is None or run.anchors == anchors)
                     and any(parse_size(c) == context_len for c in run.contexts)):  # fmt: skip
                 return f"{sc.name} --contexts {next(c for c in run.contexts if parse_size(c) == context_len)}"
@@ -99,7 +99,8 @@ def _check(where: str, table: dict, allowed: dict[str, type]) -> None:
         if key not in allowed:
             raise ValueError(f"{where}: unknown field {key!r}; allowed: {', '.join(sorted(allowed))}")
         if not isinstance(value, allowed[key]) or isinstance(value, bool):
-            kind = {int: "an integer", str: "a string", list: "a list"}[allowed[key]]
+            kinds = {int: "an integer", str: "a string", list: "a list"}
+            kind = " or ".join(kinds[t] for t in allowed[key]) if isinstance(allowed[key], tuple) else kinds[allowed[key]]
             raise ValueError(f"{where}.{key}: must be {kind}; got {value!r}")
 
 
@@ -118,6 +119,8 @@ def _run(where: str, table: dict) -> Run:
     if bench == "sweep" and not table.get("workload"):
         raise ValueError(f"{where}.workload: required for bench = 'sweep' (drafter, sft, ...)")
     data = {k: tuple(str(x) for x in v) if isinstance(v, list) else v for k, v in table.items()}
+    if isinstance(data.get("reproduces"), str):
+        data["reproduces"] = (data["reproduces"],)
     return Run(**data)
 
 
@@ -132,7 +135,7 @@ def load_scenarios(path: str | Path = DEFAULT_FILE) -> dict[str, Scenario]:
         _check(name, table, SCENARIO_FIELDS)
         if not table.get("runs"):
             raise ValueError(f"{name}.runs: at least one run")
-        defaults = {k: v for k, v in table.items() if k not in ("description", "reproduces", "runs")}
+        defaults = {k: v for k, v in table.items() if k not in ("description", "runs")}
         runs = []
         for i, run in enumerate(table["runs"]):
             where = f"{name}.runs[{i}]"
@@ -140,7 +143,7 @@ def load_scenarios(path: str | Path = DEFAULT_FILE) -> dict[str, Scenario]:
                 raise ValueError(f"{where}: must be a table {{ contexts = [...], ... }}")
             _check(where, run, RUN_FIELDS)
             runs.append(_run(where, {**defaults, **run}))
-        out[name] = Scenario(name, str(table.get("description", "")), tuple(runs), table.get("reproduces"))
+        out[name] = Scenario(name, str(table.get("description", "")), tuple(runs))
     return out
 
 

@@ -139,6 +139,7 @@ def _state(pid: int) -> str:
         ('[a]\nbench = "command"\nruns = [{ limit_s = 10 }]', "a.runs[0].command: required with bench = 'command'"),
         ('[a]\nbench = "sweep"\nruns = [{ contexts = ["64K"] }]', "a.runs[0].workload: required for bench = 'sweep'"),
         ('[a]\nbench = "drafter"\nruns = []', "a.runs: at least one run"),
+        ('[a]\nbench = "drafter"\nruns = [{ contexts = ["64K"], reproduces = 3 }]', "a.runs[0].reproduces: must be a string or a list; got 3"),
     ],
 )
 def test_a_bad_scenarios_file_is_one_line_naming_the_field(tmp_path, capsys, text, message):
@@ -182,3 +183,8 @@ def test_the_headline_rows_each_name_the_scenario_that_reruns_them():
     assert rerun_command(scenarios, "drafter-qwen3.6-27b", 1, 1 << 18, 512) == "drafter-27b-1gpu --contexts 256K"
     assert rerun_command(scenarios, "drafter-qwen3.6-27b", 2, 1 << 19, 1024) is None  # no scenario at 1024 anchors
     assert rerun_command(scenarios, "sft", 2, 1 << 18) == "sft --contexts 256K"
+    # a run's own `reproduces` names the workloads that run measures; the scenario's holds for the rest
+    first_pass = scenarios["trainer-64k-first-pass"].runs
+    assert "trainer-qwen3.6-27b-dflash-warm-cache" in first_pass[0].reproduces
+    assert first_pass[1].reproduces == ("trainer-qwen3.6-27b-dflash",)
+    assert scenarios["trainer-64k-vs-specforge"].runs[0].reproduces == ("trainer-qwen3.6-27b-dflash2-as-dflash",)
