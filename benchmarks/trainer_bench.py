@@ -21,8 +21,11 @@ sample for the first time.
             (disk: one copy of the data at a time, plus the target; --keep-data keeps both copies,
             --keep-store the target and the store for a later --reuse-data launch)
 
-Steps. Step 1 (--warmup, default 1) compiles (torch.compile, FlexAttention and cuBLAS kernels for the first
-shapes) and is in no median (`left_out_steps`, `left_out_reason`). `first_pass_step_ms` / `first_pass_p90_ms`:
+Steps. Steps 1 and 2 (--warmup, default 2) compile and are in no median (`left_out_steps`, `left_out_reason`):
+step 1 builds the kernels for the first shapes (torch.compile, FlexAttention, cuBLAS), step 2 the
+dynamic-shape kernels torch.compile builds when a length first changes (automatic dynamic shapes: each
+sample has its own number of context rows; static kernels first because they are the faster ones while
+shapes repeat). `first_pass_step_ms` / `first_pass_p90_ms`:
 median and p90 of the other steps of the first pass; `later_pass_step_ms`: the median of the later passes
 (--passes > 1), leaving out each epoch's first step (the data loader restarts, the plugin's look-ahead has no
 previous batch: `epoch_first_step_ms`) and the --profile-steps profiled ones at the end; `first_vs_later` is
@@ -88,7 +91,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 MODES = ("specforge", "csbp")
 STORE_VERIFY = ("lazy", "trust")
 #: why the first --warmup steps are in no median (recorded as `left_out_reason`)
-LEFT_OUT_REASON = "compile steps: torch.compile, FlexAttention and cuBLAS build their kernels for the first shapes"
+LEFT_OUT_REASON = ("compile steps: step 1 builds the kernels for the first shapes (torch.compile, FlexAttention, "
+                   "cuBLAS); step 2 the dynamic-shape kernels torch.compile builds at the first change of length "
+                   "(each sample has its own number of context rows)")
 TRACE_LIMIT_BYTES = 16 << 20  # the GPU machine brings back files up to 16 MiB
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 NO_CHECKPOINT_ENV = "TRAINER_BENCH_NO_CHECKPOINT"
@@ -108,8 +113,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="optimizer steps per trainer (default --passes x samples / --batch-size)")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=1,
                    help="samples per optimizer step (training.batch_size; --samples must hold at least one batch)")  # fmt: skip
-    p.add_argument("--warmup", type=int, default=1,
-                   help="first steps left out of every median: they compile (torch.compile, FlexAttention kernels)")  # fmt: skip
+    p.add_argument("--warmup", type=int, default=2,
+                   help="first steps left out of every median: they compile (step 1 the first shapes' kernels, "
+                   "step 2 the dynamic-shape ones)")  # fmt: skip
     p.add_argument("--profile-steps", type=int, default=0, help="last steps of each run profiled (0: none)")
     p.add_argument("--cache", choices=("cold", "warm"), default="cold",
                    help="page cache before each trainer run: cold evicts its data files (posix_fadvise, + drop_caches "

@@ -68,12 +68,12 @@ def test_bad_arguments_name_the_flag():
 
 
 def test_first_and_later_pass_steps():
-    """8 samples, 2 passes, step 1 compiles, 2 profiled: the first pass is steps 2-8, the later pass 10-14
+    """8 samples, 2 passes, steps 1-2 compile, 2 profiled: the first pass is steps 3-8, the later pass 10-14
     (9 starts an epoch, 15-16 are profiled)."""
     args = trainer_bench.parse_args(["--draft-config", DRAFTER, "--work", "w", "--out", "o", "--passes", "2",
                                      "--profile-steps", "2"])  # fmt: skip
-    assert (args.samples, args.steps, args.warmup) == (8, 16, 1)
-    assert trainer_bench.first_pass_steps(args) == list(range(2, 9))
+    assert (args.samples, args.steps, args.warmup) == (8, 16, 2)
+    assert trainer_bench.first_pass_steps(args) == list(range(3, 9))
     assert trainer_bench.later_pass_steps(args) == list(range(10, 15))
     assert trainer_bench.epoch_first_steps(args) == [9]
     assert trainer_bench.p90([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0]) == pytest.approx(10.0)
@@ -145,7 +145,7 @@ def test_both_trainers_on_identical_bytes(tmp_path):
     assert rc == 0
     last = json.loads(out.read_text().splitlines()[-1])
     assert last["workload"] == "trainer-quickstart_drafter-as-dflash-warm-cache"
-    assert last["page_cache"] == "warm" and last["first_pass_steps"] == [2, 3] and "later_pass_step_ms" not in last
+    assert last["page_cache"] == "warm" and last["first_pass_steps"] == [3] and last["left_out_steps"] == [1, 2] and "later_pass_step_ms" not in last
     assert not (work / "store").exists() and not (work / "records").exists()  # no --keep-*: the data went
     with pytest.raises(SystemExit, match="--reuse-data: neither .* is left"):
         trainer_bench.main(["--draft-config", DRAFTER, "--no-dflash2", "--modes", "csbp", "--context", "256",
