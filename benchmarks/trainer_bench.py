@@ -161,6 +161,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not timed_steps(args):
             p.error(f"--steps {args.steps} leaves no timed step after --warmup {args.warmup} and "
                     f"--profile-steps {args.profile_steps}")  # fmt: skip
+    # one launch of this script: its records pair side by side (bench/compare.py match_key), and a later launch
+    # of the same command is a newer measurement, not more repeats of this one
+    args.started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return args
 
 
@@ -493,8 +496,8 @@ def make_record(args, mode, length, block_size, log, peak, rc, device_name, name
     record = dict(
         workload=workload, mode=mode, world_size=1, context_len=length, block_size=block_size,
         device=device_name, date=datetime.date.today().isoformat(), code=library_digest(),
-        command=shlex.join(["python", os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
-        trained_config=name, anchors=args.anchors, dflash2=not args.no_dflash2, samples=args.samples,
+        command=(command := shlex.join(["python", os.path.relpath(sys.argv[0]), *sys.argv[1:]])),
+        launch=f"{command} (started {args.started})", trained_config=name, anchors=args.anchors, dflash2=not args.no_dflash2, samples=args.samples,
         steps=args.steps, passes=args.passes, batch_size=args.batch_size, warmup=args.warmup,
         timed_steps=len(step_s), step_ms_of="first pass" if first else "later passes",
         first_pass_step_ms=ms(first_s), first_pass_p90_ms=round(p90(first_s) * 1e3, 2) if first_s else None,

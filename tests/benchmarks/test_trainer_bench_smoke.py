@@ -95,6 +95,7 @@ def test_both_trainers_on_identical_bytes(tmp_path):
     assert rc == 0
     recs = {(r["mode"], r.get("store_verify")): r for r in map(json.loads, out.read_text().splitlines())}
     assert sorted(recs, key=str) == [("csbp", "lazy"), ("csbp", "trust"), ("specforge", None)]
+    assert len({r["launch"] for r in recs.values()}) == 1  # one launch: its records pair side by side
     sizes = {d: [f.stat().st_size for f in sorted((work / d).rglob("*")) if f.suffix in (".ckpt", ".safetensors")]
              for d in ("records", "store")}  # fmt: skip
     for (mode, verify), r in recs.items():
@@ -144,6 +145,7 @@ def test_both_trainers_on_identical_bytes(tmp_path):
                              "--reuse-data", "--cache", "warm"])  # fmt: skip
     assert rc == 0
     last = json.loads(out.read_text().splitlines()[-1])
+    assert last["launch"] != recs["csbp", "lazy"]["launch"]  # a later launch is a newer measurement
     assert last["workload"] == "trainer-quickstart_drafter-as-dflash-warm-cache"
     assert last["page_cache"] == "warm" and last["first_pass_steps"] == [3] and last["left_out_steps"] == [1, 2] and "later_pass_step_ms" not in last
     assert not (work / "store").exists() and not (work / "records").exists()  # no --keep-*: the data went
