@@ -6,15 +6,18 @@ of `--samples` samples of `--context` rows x `--width` features (bf16) is writte
 reads every sample whole with the store's files evicted from the page cache before it (fsync +
 posix_fadvise DONTNEED, + drop_caches as root):
 
-    store-lazy     FeatureStore(verify="lazy").read_intervals, hashed over --read-threads, then copied out in
-                   PIN_CHUNK_BYTES pieces (to the GPU through pinned memory where there is one): the plugin's
-                   prefetch worker's path
+    store-lazy     the plugin's prefetch path: `load_context` over the store's `SampleRows` - positioned reads
+                   of PIECE_BYTES on --read-threads threads (2 x threads in flight), each hashed where it
+                   landed, in page-locked buffers, each piece copied to the GPU as it arrives
     store-trust    the same with the checks off
+    mapped-lazy    the store's earlier reader, kept here as the reference: the file memory-mapped, the
+                   covering chunks hashed over --read-threads (the page faults are the reads), then copied
+                   out in PIN_CHUNK_BYTES pieces through pinned memory
     disk-sequential   one thread, 16 MiB reads (bench/page_cache.sequential_read_gbps)
     disk-parallel     --streams threads at once (parallel_read_gbps): the disk at queue depth
 
 One record per reader and thread count (workload "store-read"; mode "csbp" for the store's readers,
-"reference" for the disk's), with `read_gbps` (bytes over the median of the samples' read times), `step_ms`
+"reference" for the mapped reader and the disk's), with `read_gbps` (bytes over the median of the samples' read times), `step_ms`
 (that median per sample) and the p90. A store reader well below disk-parallel is a reader that leaves the
 disk idle; one near disk-sequential but below disk-parallel wants more requests in flight.
 
@@ -31,6 +34,7 @@ import shlex
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -41,7 +45,8 @@ from specforge_csbp.bench.page_cache import evict, parallel_read_gbps, sequentia
 from specforge_csbp.bench.records import BenchRecord, write_records  # noqa: E402
 from specforge_csbp.values import parse_ints  # noqa: E402
 from specforge_csbp.data import FeatureStore, FeatureStoreWriter, TargetInfo  # noqa: E402
-from specforge_csbp.models.dflash.features import PIN_CHUNK_BYTES, copy_rows_chunked  # noqa: E402
+from specforge_csbp.data.checksums import hasher, tensor_spans  # noqa: E402
+from specforge_csbp.models.dflash.features import PIN_CHUNK_BYTES, DrafterSample, copy_rows_chunked, load_context  # noqa: E402
 
 __all__ = ["main"]
 
@@ -88,7 +93,36 @@ def write_store(root: str, rows: int, width: int, samples: int) -> FeatureStore:
 
 
 def read_with_store(store: FeatureStore, sample_id: str, out: torch.Tensor, pin: bool) -> int:
-    rows = store.read_intervals(sample_id, [(0, store.length(sample_id))])
+    """One sample's rows to `out`'s device as the prefetch worker reads them (load_context over SampleRows)."""
+    n = store.length(sample_id)
+    sample = DrafterSample(torch.zeros(n, dtype=torch.long), torch.ones(n, dtype=torch.long), store.rows(sample_id))
+    (rows,) = load_context(sample, [(0, n)], out.device, out.dtype, out.shape[1], pin=pin)
+    if out.is_cuda:
+        torch.cuda.synchronize(out.device)
+    return rows.numel() * rows.element_size()
+
+
+def read_mapped(store: FeatureStore, sample_id: str, out: torch.Tensor, pin: bool, threads: int) -> int:
+    """The store's earlier reader: map the file, hash its chunks over `threads` (the page faults read them),
+    then copy the rows out through pinned memory in PIN_CHUNK_BYTES pieces."""
+    entry = store.entry(sample_id)
+    path = os.path.join(store.root, entry.file)
+    with open(path, "rb") as f:
+        hidden = tensor_spans(f, path)["hidden_states"]
+    data = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
+    region = data[hidden.start : hidden.end]
+    row_bytes = store.feature_width * store.dtype.itemsize
+    chunk = store.manifest.chunk_rows * row_bytes
+    digest = hasher(store.manifest.chunk_hash)
+    spans = range(0, region.numel(), chunk)
+
+    def check(k: int) -> None:
+        if digest(memoryview(region[k * chunk : k * chunk + chunk].numpy())) != entry.chunk_digests[k]:
+            raise ValueError(f"{path}: chunk {k} differs")
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(check, range(len(spans))))
+    rows = region.view(store.dtype).view(entry.length, store.feature_width)
     copy_rows_chunked(rows, out, PIN_CHUNK_BYTES, pin=pin)
     if out.is_cuda:
         torch.cuda.synchronize(out.device)
@@ -130,6 +164,14 @@ def main(argv=None) -> int:
                 seconds.append(time.perf_counter() - start)
             record("csbp", f"store-{verify}", seconds, nbytes, read_threads=threads, cache_prepared_by=prepared_by,
                    bytes_hashed=reader.bytes_hashed)  # fmt: skip
+    for threads in args.read_threads:
+        seconds, nbytes = [], 0
+        for sid, path in zip(store.sample_ids, files):
+            prepared_by = evict([path], drop_caches=not args.fadvise_only)
+            start = time.perf_counter()
+            nbytes = read_mapped(store, sid, out, on_gpu, threads)
+            seconds.append(time.perf_counter() - start)
+        record("reference", "mapped-lazy", seconds, nbytes, read_threads=threads, cache_prepared_by=prepared_by)
     size = os.path.getsize(files[0])
     sequential = [size / (sequential_read_gbps(f, limit=size) * 1e9) for f in files]
     record("reference", "disk-sequential", sequential, size, read_threads=1)

@@ -1,7 +1,8 @@
 """Target-feature data for DFlash drafter training: the sharded feature store and how it is filled.
 
     manifest.py         StoreManifest / SampleEntry (pydantic), hashing, atomic JSON writes
-    store.py            FeatureStoreWriter, FeatureStore (size-checked open, interval reads verified per chunk)
+    store.py            FeatureStoreWriter, FeatureStore (size-checked open, parallel positioned interval reads
+                        verified per chunk), SampleRows (a sample's rows, whole or piece by piece)
     checksums.py        per-chunk checksums of a sample file's rows (xxh3_64 / crc32), header parse, positioned reads
     dataset.py          ShardedFeatureDataset: per rank, whole tokens + the rows of its zigzag intervals
     samples.py          jsonl chat/text samples -> input_ids, loss_mask (chat template, assistant mask)
@@ -16,13 +17,14 @@ from .dataset import ShardedFeatureDataset, ShardedSample
 from .manifest import SampleEntry, StoreManifest, TargetInfo, config_hash
 from .samples import has_consecutive_supervised, read_jsonl, tokenize_sample
 from .specforge_import import import_specforge_records, list_specforge_records
-from .store import VERIFY_MODES, FeatureStore, FeatureStoreWriter
+from .store import VERIFY_MODES, FeatureStore, FeatureStoreWriter, SampleRows
 
 __all__ = [
     "VERIFY_MODES",
     "FeatureStore",
     "FeatureStoreWriter",
     "SampleEntry",
+    "SampleRows",
     "ShardedFeatureDataset",
     "ShardedSample",
     "StoreManifest",

@@ -7,9 +7,8 @@ header, input_ids, loss_mask), so together they cover every byte of the file:
     file      | 8 + header | input_ids | loss_mask | hidden_states rows 0 .. L-1                         |
     digests   '-------- other_digest --------------' chunk 0 | chunk 1 | ... | chunk ceil(L/rows)-1 |
 
-A reader of rows [lo, hi) hashes the whole chunks that cover them (at most one partial chunk at each end)
-- the hash is what reads them from the mapped file - and compares them with the manifest before returning
-a row: no pass over the whole file, nothing on the path but the bytes the step needs. The hash is xxHash's XXH3-64 (python
+A reader of rows [lo, hi) reads the whole chunks that cover them (at most one partial chunk at each end)
+and hashes each where its positioned read put it, comparing it with the manifest before returning a row: no pass over the whole file, nothing on the path but the bytes the step needs. The hash is xxHash's XXH3-64 (python
 `xxhash`, about 23 GB/s on one CPU core, GIL released); where `xxhash` is not installed, a new store gets
 zlib's CRC-32 (standard library, about 4 GB/s) and says so in its manifest (`chunk_hash`). Both detect any
 flipped byte of a chunk; neither is a defence against a forger (the whole-file sha256 stays in the manifest

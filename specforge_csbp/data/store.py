@@ -16,9 +16,12 @@ Under CSBP a rank holds only its zigzag shard of the context, so it reads only t
     rank 0 reads hidden_states[chunk 0] and hidden_states[chunk 3] - two slices of a memory map,
     never the rows in between.
 
-`read_intervals` parses the file's safetensors header, maps the file (no copy) and returns the requested
-rows as views of the map, after reading and hashing the whole checksummed chunks that cover them
-(checksums.py; over a few threads for a long range). Tokens and loss mask are small and read whole.
+`read_intervals` parses the file's safetensors header and reads the whole checksummed chunks that cover
+the requested rows with positioned reads of `PIECE_BYTES`, several in flight on the read threads (a disk
+serves parallel requests faster than one stream, and a mapped file's page faults are one stream per
+thread), hashing each piece where it landed (checksums.py) before a row is returned; `read_pieces` yields
+them piece by piece, so a consumer's copy to a GPU overlaps the reads still in flight. Tokens and loss mask
+are small and read whole.
 
 Writes are atomic (temporary file + rename) for sample files and the manifest alike. The manifest is
 written when the store is created, with `complete: false`, and marked complete only when the writer closes
@@ -35,7 +38,8 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
@@ -53,7 +57,11 @@ from .manifest import (
     TargetInfo,
 )
 
-__all__ = ["VERIFY_MODES", "FeatureStore", "FeatureStoreWriter", "check_out_dir"]
+__all__ = ["PIECE_BYTES", "VERIFY_MODES", "FeatureStore", "FeatureStoreWriter", "SampleRows", "check_out_dir"]
+
+#: bytes of rows one positioned read fills (whole checksummed chunks): large enough that the kernel issues
+#: large requests, small enough that 2 x read_threads of them in flight stay a few hundred MiB
+PIECE_BYTES = 16 << 20
 
 VERIFY_MODES = ("full", "lazy", "trust")
 _SAMPLES_DIR = "samples"
@@ -306,10 +314,11 @@ A store whose capture or import did not finish (`complete: false`) is refused.
 
     Corrupted or missing files raise a one-line ValueError naming the file. `bytes_read` / `bytes_hashed`
     count the sample-file bytes reads have read and hashed (equal under "lazy" on a checksummed store).
-    `read_threads`: threads the hashing of one long read is split over (the hashes release the GIL).
+    `read_threads`: threads the positioned reads of one long read run on, each hashing what it read (reads
+    and hashes release the GIL); 2 x read_threads reads are in flight.
     """
 
-    def __init__(self, root: str, verify: str = "full", *, read_threads: int = 4) -> None:
+    def __init__(self, root: str, verify: str = "full", *, read_threads: int = 8) -> None:
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}; got {verify!r}")
         self.root = root
@@ -439,48 +448,120 @@ A store whose capture or import did not finish (`complete: false`) is refused.
     def read_intervals(self, sample_id: str, intervals: Sequence[tuple[int, int]]) -> torch.Tensor:
         """Hidden-state rows of the token intervals [lo, hi), concatenated in order: [sum(hi - lo), W].
 
-        Only those rows are read (rounded out to whole checksummed chunks, which are verified first).
+        Only those rows are read (rounded out to whole checksummed chunks, which are verified first), by
+        positioned reads of `PIECE_BYTES` on the read threads, straight into the returned tensor's memory.
         """
         entry = self.entry(sample_id)
-        for lo, hi in intervals:
-            if not 0 <= lo <= hi <= entry.length:
-                raise ValueError(
-                    f"intervals: [{lo}, {hi}) is not inside sample {sample_id!r} of length {entry.length}"
-                )
-        path = self._path(entry)
-        with self._file(entry) as f:
-            hidden = self._hidden_span(entry, tensor_spans(f, path), path)
-            size = os.fstat(f.fileno()).st_size
-        # the file mapped privately (no copy: the page cache's pages, as safetensors maps them); a row is
-        # copied out only by whoever uses it (the prefetch worker's pinned copy to the GPU)
-        try:
-            data = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
-        except RuntimeError as err:
-            raise ValueError(f"corrupted or missing store file {path}: {err}".replace("\n", " ")) from None
-        parts = [self._rows(entry, data, hidden, lo, hi) for lo, hi in intervals if hi > lo]
+        parts = []
+        with self._sample_file(entry, intervals) as (fd, hidden):
+            for lo, hi in intervals:
+                if hi <= lo:
+                    continue
+                a, b = self._covering(entry, lo, hi)
+                buf = torch.empty((b - a) * self._row_bytes, dtype=torch.uint8)
+                pieces = list(self._piece_bounds(a, b))
+
+                def fill(piece: tuple[int, int], a: int = a, buf: torch.Tensor = buf) -> None:
+                    p, q = piece
+                    self._fill(entry, fd, hidden, p, q, buf[(p - a) * self._row_bytes : (q - a) * self._row_bytes])
+
+                self._map(fill, pieces) if len(pieces) > 1 else fill(pieces[0])
+                parts.append(buf.view(self.dtype).view(b - a, self.feature_width)[lo - a : hi - a])
         if not parts:
             return torch.zeros(0, self.feature_width, dtype=self.dtype)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _rows(self, entry: SampleEntry, data: torch.Tensor, hidden: Span, lo: int, hi: int) -> torch.Tensor:
-        """Rows [lo, hi) of the mapped file `data`: unless trusted, the whole chunks that cover them are read
-        and hashed (split over the read threads) and compared with the manifest before the rows are returned."""
-        row_bytes = self.feature_width * self.dtype.itemsize
-        rows = self.manifest.chunk_rows or chunk_rows_for(row_bytes)
-        a, b = (lo // rows * rows, min(-(-hi // rows) * rows, entry.length)) if self._digest else (lo, hi)
-        region = data[hidden.start + a * row_bytes : hidden.start + b * row_bytes]
+    def read_pieces(
+        self, sample_id: str, lo: int, hi: int, *, pin: bool = False
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """Rows [lo, hi) as consecutive pieces `(offset from lo, rows [n, W])`, in order, yielded while later
+        pieces are still being read: up to 2 x read_threads positioned reads of `PIECE_BYTES` in flight (what
+        keeps a disk at its parallel rate), each into its own buffer (page-locked when `pin`, so a caller can
+        copy it to a GPU without waiting) and verified there before it is yielded. For a consumer that copies
+        the rows anyway (to a GPU, to another dtype), its copies overlap the reads of the next pieces:
+
+            rows    lo ....................................................... hi
+            reads   | piece 0 | piece 1 | piece 2 | piece 3 | ...   (2 x threads in flight, whole chunks)
+            yields    piece 0 -> copy      piece 1 -> copy      ...   (in order, each verified first)
+        """
+        entry = self.entry(sample_id)
+        todo: deque = deque()
+        pending: deque = deque()
+        with self._sample_file(entry, [(lo, hi)]) as (fd, hidden):
+            if hi > lo:
+                todo.extend(self._piece_bounds(*self._covering(entry, lo, hi)))
+            pool = self._executor()
+
+            def submit() -> None:
+                p, q = todo.popleft()
+                buf = torch.empty((q - p) * self._row_bytes, dtype=torch.uint8, pin_memory=pin)
+                pending.append((p, q, buf, pool.submit(self._fill, entry, fd, hidden, p, q, buf)))
+
+            try:
+                while todo and len(pending) < 2 * self._threads:
+                    submit()
+                while pending:
+                    p, q, buf, future = pending.popleft()
+                    future.result()  # a corrupted chunk raises here, before a row of it is yielded
+                    if todo:
+                        submit()
+                    s, e = max(lo, p), min(hi, q)
+                    yield s - lo, buf.view(self.dtype).view(q - p, self.feature_width)[s - p : e - p]
+            finally:  # also when the consumer stops early: no read may outlive the file descriptor
+                wait([item[-1] for item in pending])
+
+    def rows(self, sample_id: str) -> SampleRows:
+        """Sample `sample_id`'s rows as a drafter sample's feature source (`models/dflash/features.py`)."""
+        return SampleRows(self, self.entry(sample_id).id)
+
+    @property
+    def _row_bytes(self) -> int:
+        return self.feature_width * self.dtype.itemsize
+
+    @property
+    def _chunk_rows(self) -> int:
+        return self.manifest.chunk_rows or chunk_rows_for(self._row_bytes)
+
+    def _covering(self, entry: SampleEntry, lo: int, hi: int) -> tuple[int, int]:
+        """The rows a read of [lo, hi) reads: rounded out to whole chunks when they are checked."""
+        if self._digest is None:
+            return lo, hi
+        rows = self._chunk_rows
+        return lo // rows * rows, min(-(-hi // rows) * rows, entry.length)
+
+    def _piece_bounds(self, a: int, b: int) -> Iterator[tuple[int, int]]:
+        """[a, b) cut at chunk boundaries into pieces of about PIECE_BYTES (whole chunks, but at a and b)."""
+        rows = self._chunk_rows
+        step = max(1, PIECE_BYTES // (rows * self._row_bytes)) * rows
+        while a < b:
+            end = min(b, a // rows * rows + step)
+            yield a, end
+            a = end
+
+    def _fill(self, entry: SampleEntry, fd: int, hidden: Span, p: int, q: int, buf: torch.Tensor) -> None:
+        """buf = the bytes of rows [p, q), one positioned read (on a read thread), then verified by chunk."""
+        try:
+            read_bytes(fd, hidden.start + p * self._row_bytes, buf)
+        except OSError as err:
+            raise ValueError(f"corrupted or missing store file {self._path(entry)}: {err}".replace("\n", " ")) from None
         if self._digest is not None:
-            chunks = range(a // rows, -(-b // rows))
-            per_thread = max(1, -(-len(chunks) // self._threads))
-            groups = [chunks[g : g + per_thread] for g in range(0, len(chunks), per_thread)]
+            rows = self._chunk_rows
+            for k in range(p // rows, -(-q // rows)):
+                lo, hi = max(p, k * rows), min(q, k * rows + rows)
+                self._check_chunk(entry, k, buf[(lo - p) * self._row_bytes : (hi - p) * self._row_bytes])
+        self._count(buf.numel(), buf.numel() if self._digest is not None else 0)
 
-            def check(group: range) -> None:
-                for k in group:
-                    self._check_chunk(entry, k, region[(k * rows - a) * row_bytes : (min(k * rows + rows, b) - a) * row_bytes])
-
-            self._map(check, groups) if len(groups) > 1 else check(groups[0])
-        self._count(region.numel(), region.numel() if self._digest else 0)
-        return region.view(self.dtype).view(b - a, self.feature_width)[lo - a : hi - a]
+    @contextlib.contextmanager
+    def _sample_file(self, entry: SampleEntry, intervals: Sequence[tuple[int, int]]):
+        """(fd, hidden_states span) of the sample's file, open while the reads of `intervals` run."""
+        for lo, hi in intervals:
+            if not 0 <= lo <= hi <= entry.length:
+                raise ValueError(
+                    f"intervals: [{lo}, {hi}) is not inside sample {entry.id!r} of length {entry.length}"
+                )
+        path = self._path(entry)
+        with self._file(entry) as f:
+            yield f.fileno(), self._hidden_span(entry, tensor_spans(f, path), path)
 
     def _check_chunk(self, entry: SampleEntry, k: int, chunk: torch.Tensor) -> None:
         """Chunk k's bytes against the manifest (a read of the mapped pages: the hash is what reads them)."""
@@ -495,12 +576,16 @@ A store whose capture or import did not finish (`complete: false`) is refused.
     def _map(self, fn, items) -> list:
         """fn over items on the read threads; every call has finished before this returns or raises (a
         failed chunk must not leave another thread reading the mapped file)."""
+        pool = self._executor()
+        futures = [pool.submit(fn, item) for item in items]
+        wait(futures)
+        return [f.result() for f in futures]  # the first failure, in order, is raised here
+
+    def _executor(self) -> ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="store-read")
-        futures = [self._pool.submit(fn, item) for item in items]
-        wait(futures)
-        return [f.result() for f in futures]  # the first failure, in order, is raised here
+        return self._pool
 
     def _count(self, read: int, hashed: int) -> None:
         with self._count_lock:
@@ -542,3 +627,18 @@ A store whose capture or import did not finish (`complete: false`) is refused.
             raise ValueError(f"corrupted store file {path}: {size} bytes, manifest says {entry.nbytes}")
         if full and file_sha256(path) != entry.sha256:
             raise ValueError(f"corrupted store file {path}: sha256 differs from the manifest")
+
+
+class SampleRows:
+    """One sample's hidden-state rows as a drafter sample's feature source: `rows(lo, hi)` reads them into
+    one tensor (`FeatureStore.read_intervals`), `rows.pieces(lo, hi, pin=...)` yields them piece by piece
+    (`FeatureStore.read_pieces`) for a consumer that copies them anyway (`load_context`)."""
+
+    def __init__(self, store: FeatureStore, sample_id: str) -> None:
+        self.store, self.sample_id, self.dtype = store, sample_id, store.dtype
+
+    def __call__(self, lo: int, hi: int) -> torch.Tensor:
+        return self.store.read_intervals(self.sample_id, [(lo, hi)])
+
+    def pieces(self, lo: int, hi: int, *, pin: bool = False) -> Iterator[tuple[int, torch.Tensor]]:
+        return self.store.read_pieces(self.sample_id, lo, hi, pin=pin)

@@ -150,10 +150,8 @@ class CSBPDrafterTrainingModel(nn.Module):
         entry = store.manifest.samples[index]
         input_ids, loss_mask = store.read_tokens(entry.id)
         length = min(entry.length, self.max_len)
-        # only this rank's rows, one piece per interval (never concatenated: the widest tensor of the step)
-        sample = DrafterSample(
-            input_ids[:length], loss_mask[:length], lambda lo, hi: store.read_intervals(entry.id, [(lo, hi)])
-        )
+        # only this rank's rows, one read per interval (never concatenated: the widest tensor of the step)
+        sample = DrafterSample(input_ids[:length], loss_mask[:length], store.rows(entry.id))
         plan, blocks = plan_sample(
             self.draft_model.config, sample, objective=self.objective, mode=self.mode, world=groups.cp_size,
             rank=groups.cp_rank, step=step, sample_index=index, bucket=self.bucket,

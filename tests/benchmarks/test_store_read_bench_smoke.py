@@ -22,11 +22,14 @@ def test_every_reader_is_recorded_cold(tmp_path):
     records = load_records(out)
     got = [(r.reader, r.read_threads) for r in records]
     assert got == [("store-lazy", 1), ("store-lazy", 3), ("store-trust", 1), ("store-trust", 3),
-                   ("disk-sequential", 1), ("disk-parallel", 2)]  # fmt: skip
+                   ("mapped-lazy", 1), ("mapped-lazy", 3), ("disk-sequential", 1), ("disk-parallel", 2)]  # fmt: skip
     rows_bytes = 1024 * 64 * 2
     for r in records:
         assert r.workload == "store-read" and r.context_len == 1024 and r.page_cache == "cold"
         assert r.reader.startswith("disk") or r.cache_prepared_by == "posix_fadvise DONTNEED"
+        if r.reader == "mapped-lazy":
+            assert r.mode == "reference" and r.bytes_per_sample == rows_bytes
+            continue
         assert r.read_gbps > 0 and r.step_ms > 0 and r.p90_ms >= r.step_ms
         if r.reader.startswith("store"):
             assert r.mode == "csbp" and r.bytes_per_sample == rows_bytes
@@ -36,7 +39,7 @@ def test_every_reader_is_recorded_cold(tmp_path):
     manifest = tmp_path / "w" / "store" / "manifest.json"
     written = manifest.stat().st_mtime_ns
     assert store_read_bench.main(argv) == 0  # same shape: the store is read again, not rewritten
-    assert manifest.stat().st_mtime_ns == written and len(load_records(out)) == 12
+    assert manifest.stat().st_mtime_ns == written and len(load_records(out)) == 16
 
 
 def test_a_bad_thread_count_is_one_line(tmp_path, capsys):

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 import types
 
 import pytest
@@ -158,3 +159,95 @@ def test_a_manifest_with_the_wrong_number_of_chunk_checksums_is_one_line(tmp_pat
     open(path, "w").write(json.dumps(manifest))
     with pytest.raises(ValueError, match="sample 's1' has 9 chunk checksums, its 48 rows in chunks of 5 need 10"):
         FeatureStore(root, verify="trust")
+
+
+def _pieces(store, sid, lo, hi):
+    return [(at, rows.clone()) for at, rows in store.read_pieces(sid, lo, hi)]
+
+
+@pytest.mark.parametrize("verify", ["lazy", "trust"])
+def test_read_pieces_tile_the_rows_in_order_over_many_reads_in_flight(tmp_path, monkeypatch, verify):
+    root, samples = _write(str(tmp_path / "store"))
+    monkeypatch.setattr(store_mod, "PIECE_BYTES", 2 * ROWS * WIDTH * 2)  # 2 chunks a piece: 5 pieces in 48 rows
+    store = FeatureStore(root, verify=verify, read_threads=2)  # 4 in flight: the window slides
+    for lo, hi in [(0, LENGTH), (7, 31), (10, 20), (3, 4), (12, 12), (44, LENGTH)]:
+        before = (store.bytes_read, store.bytes_hashed)
+        pieces = _pieces(store, "s1", lo, hi)
+        assert [at for at, _ in pieces] == sorted(at for at, _ in pieces)
+        assert sum(len(r) for _, r in pieces) == hi - lo
+        if hi > lo:
+            assert torch.equal(torch.cat([r for _, r in pieces]), samples[1][1][lo:hi])
+            assert all(at == sum(len(r) for _, r in pieces[:i]) for i, (at, _) in enumerate(pieces))
+            assert all(len(r) <= 2 * ROWS for _, r in pieces)
+        covering = (min(-(-hi // ROWS) * ROWS, LENGTH) - lo // ROWS * ROWS) if hi > lo else 0
+        read, hashed = store.bytes_read - before[0], store.bytes_hashed - before[1]
+        if verify == "lazy":  # the covering chunks, each once; every byte read is hashed
+            assert read == hashed == covering * WIDTH * 2
+        else:
+            assert (read, hashed) == ((hi - lo) * WIDTH * 2, 0)
+    with pytest.raises(ValueError, match=r"intervals: \[40, 49\) is not inside sample 's1' of length 48"):
+        _pieces(store, "s1", 40, 49)
+
+
+def test_a_flipped_byte_stops_read_pieces_before_its_piece(tmp_path, monkeypatch):
+    root, samples = _write(str(tmp_path / "store"))
+    monkeypatch.setattr(store_mod, "PIECE_BYTES", 2 * ROWS * WIDTH * 2)
+    victim = os.path.join(root, "samples", "00000000.safetensors")
+    _flip(victim, _hidden_start(victim) + 27 * WIDTH * 2)  # row 27: chunk 5, piece 2 (rows 20-29)
+    got = []
+    with pytest.raises(ValueError) as err:
+        for at, rows in FeatureStore(root, verify="lazy", read_threads=3).read_pieces("s0", 0, LENGTH):
+            got.append((at, rows.clone()))
+    assert str(err.value) == (f"corrupted store file {victim}: hidden_states rows 25-29 (chunk 5) differ from the "
+                              f"manifest's {chunk_hash_name()} checksum")
+    assert [at for at, _ in got] == [0, 10] and torch.equal(torch.cat([r for _, r in got]), samples[0][1][:20])
+    store = FeatureStore(root, verify="trust")
+    os.truncate(victim, os.path.getsize(victim) - 10 * WIDTH * 2)  # shortened after the open: the read names it
+    with pytest.raises(ValueError, match=f"corrupted or missing store file {victim}: unexpected end of file"):
+        _pieces(store, "s0", 0, LENGTH)
+
+
+def test_a_consumer_that_stops_early_leaves_no_read_running(tmp_path, monkeypatch):
+    root, _ = _write(str(tmp_path / "store"))
+    monkeypatch.setattr(store_mod, "PIECE_BYTES", ROWS * WIDTH * 2)  # 10 pieces
+    store = FeatureStore(root, verify="lazy", read_threads=2)
+    fill, running = store._fill, []
+
+    def slow_fill(*args):
+        running.append(1)
+        time.sleep(0.05)
+        fill(*args)
+        running.pop()
+
+    monkeypatch.setattr(store, "_fill", slow_fill)
+    pieces = store.read_pieces("s0", 0, LENGTH)
+    next(pieces)
+    pieces.close()  # the generator's cleanup waits for the reads in flight
+    assert running == [] and store.bytes_read == 5 * ROWS * WIDTH * 2  # 1 yielded + 4 in flight, no more
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_load_context_over_sample_rows_equals_the_rows(tmp_path, monkeypatch, dtype):
+    from specforge_csbp.models.dflash.features import DrafterSample, load_context
+
+    root, samples = _write(str(tmp_path / "store"))
+    monkeypatch.setattr(store_mod, "PIECE_BYTES", 2 * ROWS * WIDTH * 2)
+    store = FeatureStore(root, verify="lazy", read_threads=2)
+    calls = {"pieces": 0, "whole": 0}
+    for name in ("read_pieces", "read_intervals"):
+        method = getattr(store, name)
+
+        def counted(*a, _m=method, _n=name, **k):
+            calls["pieces" if _n == "read_pieces" else "whole"] += 1
+            return _m(*a, **k)
+
+        monkeypatch.setattr(store, name, counted)
+    ids, hidden = samples[1]
+    sample = DrafterSample(ids, torch.ones(LENGTH, dtype=torch.long), store.rows("s1"))
+    intervals = [(0, 7), (7, 31), (40, LENGTH)]
+    parts = load_context(sample, intervals, "cpu", dtype, WIDTH, pin=True)  # pin on a CPU device: a no-op
+    for (lo, hi), part in zip(intervals, parts):
+        assert part.shape == (1, hi - lo, WIDTH) and part.dtype == dtype
+        assert torch.equal(part[0], hidden[lo:hi].to(dtype))
+    # another dtype: copied piece by piece as the pieces arrive; the store's own dtype on the CPU: read whole
+    assert calls == ({"pieces": 3, "whole": 0} if dtype != torch.bfloat16 else {"pieces": 0, "whole": 3})

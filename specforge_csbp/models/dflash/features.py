@@ -1,6 +1,8 @@
 """One drafter sample and the reading of its context features: the rows a rank holds, interval by interval.
 
     DrafterSample(input_ids [L], loss_mask [L], features)      features: [L, K*H] tensor, or (lo, hi) -> rows
+                                                               (or a store's SampleRows: also .pieces(lo, hi, pin)
+                                                               and .dtype, read piece by piece)
     load_context(sample, intervals, ...) -> [1, rows, K*H] per interval   (never concatenated)
 
 A leaf module: the step (step.py) and the prefetch worker (prefetch.py) both read features through it.
@@ -51,16 +53,30 @@ def load_context(
 ) -> list[torch.Tensor]:
     """This rank's context feature rows, one [1, rows, width] piece per interval (never concatenated: the
     features are the widest tensor of the step); one empty piece when the rank holds none. `pin`: host rows
-    go to a GPU through pinned memory in chunks (`PIN_CHUNK_BYTES`), so the copy does not wait for the stream
-    (the prefetch worker's use) and pinned memory stays bounded by a few chunks, not a step's features."""
+    go to a GPU through pinned memory (the prefetch worker's use), so the copy does not wait for the stream.
+
+    Where the rows are copied anyway (to another device or dtype) and the source reads piece by piece (a
+    store's `SampleRows.pieces`), each piece is copied as it arrives, while the next ones are still being
+    read; otherwise the rows are read whole, and pinned in chunks of `PIN_CHUNK_BYTES` (pinned memory stays
+    a few chunks, not a step's features)."""
     parts = []
+    target = torch.device(device)
+    pinned = pin and target.type == "cuda"
     for lo, hi in intervals:
+        pieces = getattr(sample.features, "pieces", None)
+        if pieces is not None and (target.type != "cpu" or dtype != sample.features.dtype):
+            out = torch.empty((hi - lo, width), device=device, dtype=dtype)
+            for at, rows in pieces(lo, hi, pin=pinned):
+                out[at : at + len(rows)].copy_(rows, non_blocking=pinned)
+            parts.append(out[None])
+            continue
         rows = (
             sample.features[lo:hi] if isinstance(sample.features, torch.Tensor) else sample.features(lo, hi)
         )
-        if pin and rows.device.type == "cpu" and torch.device(device).type == "cuda":
+        if pinned and rows.device.type == "cpu":
             out = torch.empty(rows.shape, device=device, dtype=dtype)
             parts.append(copy_rows_chunked(rows, out, PIN_CHUNK_BYTES, pin=True)[None])
             continue
         parts.append(rows.to(device=device, dtype=dtype, non_blocking=True)[None])
     return parts or [torch.empty((1, 0, width), device=device, dtype=dtype)]
+
