@@ -13,7 +13,7 @@ Under CSBP a rank holds only its zigzag shard of the context, so it reads only t
     positions   0 ............................................. L
     P = 2       | chunk 0 | chunk 1 |  chunk 2  |   chunk 3   |
                    rank 0   rank 1     rank 1       rank 0
-    rank 0 reads hidden_states[chunk 0] and hidden_states[chunk 3] - two slices of a memory map,
+    rank 0 reads hidden_states[chunk 0] and hidden_states[chunk 3] - two positioned reads,
     never the rows in between.
 
 `read_intervals` parses the file's safetensors header and reads the whole checksummed chunks that cover
@@ -564,7 +564,7 @@ A store whose capture or import did not finish (`complete: false`) is refused.
             yield f.fileno(), self._hidden_span(entry, tensor_spans(f, path), path)
 
     def _check_chunk(self, entry: SampleEntry, k: int, chunk: torch.Tensor) -> None:
-        """Chunk k's bytes against the manifest (a read of the mapped pages: the hash is what reads them)."""
+        """Chunk k's bytes (already read into memory) against the manifest."""
         if self._digest(memoryview(chunk.numpy())) != entry.chunk_digests[k]:
             rows = self.manifest.chunk_rows
             raise ValueError(
@@ -575,7 +575,7 @@ A store whose capture or import did not finish (`complete: false`) is refused.
 
     def _map(self, fn, items) -> list:
         """fn over items on the read threads; every call has finished before this returns or raises (a
-        failed chunk must not leave another thread reading the mapped file)."""
+        failed chunk must not leave another thread reading the file)."""
         pool = self._executor()
         futures = [pool.submit(fn, item) for item in items]
         wait(futures)

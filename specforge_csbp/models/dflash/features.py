@@ -62,8 +62,8 @@ def load_context(
     parts = []
     target = torch.device(device)
     pinned = pin and target.type == "cuda"
+    pieces = getattr(sample.features, "pieces", None)
     for lo, hi in intervals:
-        pieces = getattr(sample.features, "pieces", None)
         if pieces is not None and (target.type != "cpu" or dtype != sample.features.dtype):
             out = torch.empty((hi - lo, width), device=device, dtype=dtype)
             for at, rows in pieces(lo, hi, pin=pinned):
@@ -79,4 +79,3 @@ def load_context(
             continue
         parts.append(rows.to(device=device, dtype=dtype, non_blocking=True)[None])
     return parts or [torch.empty((1, 0, width), device=device, dtype=dtype)]
-
