@@ -47,6 +47,7 @@ from pydantic import ValidationError
 from safetensors.torch import save_file
 
 from ..outputs import file_sha256, naming_full_disk, write_json_atomic
+from ..preflight import count_non_finite
 from .checksums import CHUNK_BYTES, Span, chunk_hash_name, chunk_rows_for, file_digests, hasher, read_bytes, tensor_spans
 from .manifest import (
     FEATURE_DTYPES,
@@ -161,11 +162,17 @@ class FeatureStoreWriter:
         for name, t in ((_IDS, input_ids), (_MASK, loss_mask)):
             if t.dim() != 1 or t.shape[0] != length:
                 raise ValueError(f"{name}: expected shape [{length}], got {list(t.shape)}")
-        bad = int((~torch.isfinite(hidden_states)).sum())
-        if bad:  # a NaN/Inf feature would poison every block that sees it, on whichever rank reads it
-            raise ValueError(f"hidden_states: sample {sample_id!r} has {bad} non-finite values; features must be finite")
+        features = hidden_states.detach().to("cpu", self._dtype).contiguous()
+        # Judged on what is stored: a NaN/inf feature would poison every block that sees it, on whichever
+        # rank reads it, and a float32 value past float16's range becomes inf in the cast.
+        bad = count_non_finite(features)
+        if bad:
+            raise ValueError(
+                f"hidden_states: sample {sample_id!r} has {bad} non-finite values as {self.manifest.dtype}; "
+                "features must be finite"
+            )
         tensors = {
-            _HIDDEN: hidden_states.detach().to("cpu", self._dtype).contiguous(),
+            _HIDDEN: features,
             _IDS: input_ids.detach().to("cpu", torch.int64).contiguous(),
             _MASK: loss_mask.detach().to("cpu", torch.int64).contiguous(),
         }

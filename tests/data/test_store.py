@@ -290,7 +290,21 @@ def test_non_finite_features_are_refused_naming_the_sample(tmp_path):
     feats[2, 0] = math.inf
     with pytest.raises(ValueError) as err:
         writer.add("s0", torch.tensor([1, 2, 3]), torch.tensor([0, 1, 1]), feats)
-    assert str(err.value) == "hidden_states: sample 's0' has 2 non-finite values; features must be finite"
+    assert str(err.value) == "hidden_states: sample 's0' has 2 non-finite values as float32; features must be finite"
+    assert not os.listdir(tmp_path / "store" / "samples")  # nothing half-written is left behind
+
+
+def test_features_that_overflow_the_store_dtype_are_refused(tmp_path):
+    """Judged after the cast: 1e5 is finite in float32 and inf in float16."""
+    writer = FeatureStoreWriter(
+        str(tmp_path / "store"), target=TargetInfo(name="t"), target_layer_ids=[0], hidden_size=4, dtype="float16"
+    )
+    feats = torch.zeros(3, 4)
+    feats[2, 3] = 1e5
+    with pytest.raises(ValueError, match=r"has 1 non-finite values as float16"):
+        writer.add("s0", torch.tensor([1, 2, 3]), torch.tensor([0, 1, 1]), feats)
+    writer.add("s1", torch.tensor([1, 2, 3]), torch.tensor([0, 1, 1]), torch.full((3, 4), 6e4))
+    assert writer.close().samples[0].id == "s1"
 
 
 def test_an_interrupt_right_after_the_rename_records_the_sample(tmp_path, monkeypatch):
