@@ -130,7 +130,7 @@ def check_finite_tensors(tensors, field: str, source: str | os.PathLike) -> None
     """Raise for the first tensor of `tensors` (a name -> tensor mapping) holding NaN or inf: a drafter with
     one non-finite weight would evaluate, export and train on as if nothing were wrong."""
     for name, tensor in tensors.items():
-        if not hasattr(tensor, "is_floating_point") or not tensor.is_floating_point():
+        if not hasattr(tensor, "is_floating_point"):  # not a tensor (e.g. metadata in a state dict)
             continue
         count = count_non_finite(tensor)
         if count:
