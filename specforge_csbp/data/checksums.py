@@ -9,7 +9,7 @@ header, input_ids, loss_mask), so together they cover every byte of the file:
 
 A reader of rows [lo, hi) reads the whole chunks that cover them (at most one partial chunk at each end)
 and hashes each where its positioned read put it, comparing it with the manifest before returning a row: no pass over the whole file, nothing on the path but the bytes the step needs. The hash is xxHash's XXH3-64 (python
-`xxhash`, about 23 GB/s on one CPU core, GIL released); where `xxhash` is not installed, a new store gets
+`xxhash`, about 10-23 GB/s on one CPU core); where `xxhash` is not installed, a new store gets
 zlib's CRC-32 (standard library, about 4 GB/s) and says so in its manifest (`chunk_hash`). Both detect any
 flipped byte of a chunk; neither is a defence against a forger (the whole-file sha256 stays in the manifest
 for that).
@@ -58,10 +58,15 @@ _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 def _xxh3() -> Callable[[memoryview], str]:
     import xxhash  # lazy: optional dependency (the stdlib CRC-32 stands in without it)
 
-    return lambda buf: xxhash.xxh3_64_hexdigest(buf)
+    # Through the hash object, not the one-shot `xxh3_64_hexdigest`: python-xxhash releases the GIL only in
+    # an object's update (which its constructor runs); the one-shot function holds it for the whole buffer, so
+    # the read threads hashing a 3.4 GB sample would stall the trainer's own thread for the time it takes.
+    # Both give the same digest, so stores written either way verify alike.
+    return lambda buf: xxhash.xxh3_64(buf).hexdigest()
 
 
 def _crc32(buf: memoryview) -> str:
+    # zlib releases the GIL for buffers over 5 KiB (every chunk)
     return f"{zlib.crc32(buf):08x}"
 
 

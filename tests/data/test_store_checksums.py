@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 import types
 
@@ -137,14 +138,14 @@ def test_the_hash_follows_what_is_installed(tmp_path, monkeypatch):
         hasher("md5")
     # installed (a stand-in with xxhash's function, so this runs without the package): new stores use it
     fake = types.ModuleType("xxhash")
-    fake.xxh3_64_hexdigest = lambda buf: hashlib.blake2b(buf, digest_size=8).hexdigest()
+    fake.xxh3_64 = lambda buf: hashlib.blake2b(buf, digest_size=8)
     monkeypatch.setitem(sys.modules, "xxhash", fake)
     root, samples = _write(str(tmp_path / "store"))
     store = FeatureStore(root, verify="lazy")
     assert store.manifest.chunk_hash == "xxh3_64"
-    assert store.manifest.samples[0].chunk_digests[0] == fake.xxh3_64_hexdigest(
+    assert store.manifest.samples[0].chunk_digests[0] == fake.xxh3_64(
         samples[0][1][:ROWS].contiguous().view(torch.uint8).numpy().tobytes()
-    )
+    ).hexdigest()
     victim = os.path.join(root, "samples", "00000000.safetensors")
     _flip(victim, _hidden_start(victim) + 7 * WIDTH * 2)
     with pytest.raises(ValueError, match="rows 5-9 \\(chunk 1\\) differ from the manifest's xxh3_64 checksum"):
@@ -251,3 +252,53 @@ def test_load_context_over_sample_rows_equals_the_rows(tmp_path, monkeypatch, dt
         assert torch.equal(part[0], hidden[lo:hi].to(dtype))
     # another dtype: copied piece by piece as the pieces arrive; the store's own dtype on the CPU: read whole
     assert calls == ({"pieces": 3, "whole": 0} if dtype != torch.bfloat16 else {"pieces": 0, "whole": 3})
+
+
+def test_xxh3_digests_are_xxhash_one_shot_digests():
+    # stores written when the one-shot function computed the digests must verify alike
+    xxhash = pytest.importorskip("xxhash")  # a dependency of the package (pyproject): installed wherever it is
+    buf = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    view = memoryview(buf.numpy())
+    assert hasher("xxh3_64")(view) == xxhash.xxh3_64_hexdigest(view)
+
+
+def _longest_stall_of_this_thread(work) -> tuple[float, float]:
+    """(longest gap between two iterations of a loop on this thread while `work` runs on another, how long
+    `work` ran): a function that holds the GIL stalls this thread for about its whole run."""
+    started, done, span = threading.Event(), threading.Event(), []
+
+    def run():
+        started.set()
+        t0 = time.perf_counter()
+        work()
+        span.append(time.perf_counter() - t0)
+        done.set()
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)  # the worker hands the GIL over within 0.1 ms wherever it runs Python code
+    try:
+        worker = threading.Thread(target=run)
+        worker.start()
+        started.wait()
+        last = time.perf_counter()
+        longest = 0.0
+        while not done.is_set():
+            now = time.perf_counter()
+            longest, last = max(longest, now - last), now
+        worker.join()
+    finally:
+        sys.setswitchinterval(old)
+    return longest, span[0]
+
+
+@pytest.mark.parametrize("name", ["crc32", "xxh3_64"])
+def test_hashing_a_chunk_leaves_the_training_thread_running(name):
+    # The read threads hash every byte a step reads (3.4 GB a step for a 64K sample of a 27B target); a hash
+    # that held the GIL would stall the thread that launches the step's kernels for that long.
+    if name == "xxh3_64":
+        pytest.importorskip("xxhash")
+    digest = hasher(name)
+    buf = torch.ones(768 << 20, dtype=torch.uint8)  # one call long enough to see (xxh3: ~50-100 ms here)
+    view = memoryview(buf.numpy())
+    stall, ran = _longest_stall_of_this_thread(lambda: digest(view))
+    assert stall < 0.5 * ran, f"{name}: this thread stalled {stall * 1e3:.1f} ms of the hash's {ran * 1e3:.1f} ms"
