@@ -8,18 +8,24 @@ header, input_ids, loss_mask), so together they cover every byte of the file:
     digests   '-------- other_digest --------------' chunk 0 | chunk 1 | ... | chunk ceil(L/rows)-1 |
 
 A reader of rows [lo, hi) reads the whole chunks that cover them (at most one partial chunk at each end)
-and hashes each where its positioned read put it, comparing it with the manifest before returning a row: no pass over the whole file, nothing on the path but the bytes the step needs. The hash is xxHash's XXH3-64 (python
-`xxhash`, about 10-23 GB/s on one CPU core); where `xxhash` is not installed, a new store gets
-zlib's CRC-32 (standard library, about 4 GB/s) and says so in its manifest (`chunk_hash`). Both detect any
-flipped byte of a chunk; neither is a defence against a forger (the whole-file sha256 stays in the manifest
-for that).
+in positioned sub-reads of about 1 MiB (store.py, HASH_STEP_BYTES) and feeds each sub-read to its chunk's
+streaming hash (`stream_hasher`) right after it lands, while its bytes are still in the CPU's cache; a
+chunk's digest is compared with the manifest when its last byte is in, before a row of it is returned: no
+pass over the whole file, nothing on the path but the bytes the step needs. A streamed digest equals the
+one-shot digest of the same bytes however they are cut, so the writer's one-shot digests verify. The hash
+is xxHash's XXH3-64 (python `xxhash`, about 10-23 GB/s on one CPU core); where `xxhash` is not installed,
+a new store gets zlib's CRC-32 (standard library, about 4 GB/s) and says so in its manifest (`chunk_hash`).
+Both detect any flipped byte of a chunk; neither is a defence against a forger (the whole-file sha256 stays
+in the manifest for that).
 
     chunk_hash_name()                          the algorithm a new store records
     hasher(name)                               bytes -> hex digest for a recorded algorithm (one-line error
                                                when its library is missing)
+    stream_hasher(name)                        () -> a new hash object (`update(buf)`, `hexdigest()`) of the
+                                               same digest, fed piece by piece
     chunk_rows_for(row_bytes)                  rows per chunk for about CHUNK_BYTES per chunk
     tensor_spans(f, path)                      each tensor's byte range in an open sample file (header parse)
-    read_bytes(fd, offset, out)                os.preadv until `out` is full (tokens, header, the writer's digests)
+    read_bytes(fd, offset, out)                os.preadv until `out` is full (every read of a sample file)
     file_digests(path, name, rows, width, itemsize)   (other digest, chunk digests) of a written file
 """
 
@@ -31,6 +37,7 @@ import struct
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -45,6 +52,7 @@ __all__ = [
     "file_digests",
     "hasher",
     "read_bytes",
+    "stream_hasher",
     "tensor_spans",
 ]
 
@@ -70,6 +78,21 @@ def _crc32(buf: memoryview) -> str:
     return f"{zlib.crc32(buf):08x}"
 
 
+class _Crc32Stream:
+    """zlib's CRC-32 fed piece by piece: `zlib.crc32(b, zlib.crc32(a))` is the CRC-32 of a + b."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, buf: memoryview) -> None:
+        self.value = zlib.crc32(buf, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
 def chunk_hash_name() -> str:
     """'xxh3_64' when the `xxhash` package is installed, else 'crc32' (zlib, always there)."""
     try:
@@ -83,14 +106,31 @@ def hasher(name: str) -> Callable[[memoryview], str]:
     """The digest function of a recorded `chunk_hash`; a store made with xxhash read without it is one line."""
     if name == "crc32":
         return _crc32
-    if name == "xxh3_64":
-        try:
-            return _xxh3()
-        except ImportError:
-            raise ValueError(
-                "chunk_hash: this store's checksums are xxh3_64; install the `xxhash` package to read it"
-            ) from None
-    raise ValueError(f"chunk_hash must be one of {', '.join(CHUNK_HASHES)}; got {name!r}")
+    _require(name)
+    return _xxh3()
+
+
+def stream_hasher(name: str) -> Callable[[], Any]:
+    """A factory of hash objects (`update(buf)` piece by piece, then `hexdigest()`) whose digest is
+    `hasher(name)`'s digest of the bytes fed to them, however they are cut; the same one-line errors."""
+    if name == "crc32":
+        return _Crc32Stream
+    _require(name)
+    import xxhash
+
+    return lambda: xxhash.xxh3_64(b"")  # an object's update releases the GIL (see _xxh3)
+
+
+def _require(name: str) -> None:
+    """One line for a name other than the two known, and for xxh3_64 without the `xxhash` package."""
+    if name != "xxh3_64":
+        raise ValueError(f"chunk_hash must be one of {', '.join(CHUNK_HASHES)}; got {name!r}")
+    try:
+        _xxh3()
+    except ImportError:
+        raise ValueError(
+            "chunk_hash: this store's checksums are xxh3_64; install the `xxhash` package to read it"
+        ) from None
 
 
 def chunk_rows_for(row_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> int:
@@ -131,9 +171,10 @@ def tensor_spans(f, path: str) -> dict[str, Span]:
     return spans
 
 
-def read_bytes(fd: int, offset: int, out: torch.Tensor) -> None:
-    """Fill the uint8 tensor `out` with the file's bytes from `offset` (preadv loops: one call reads < 2 GiB)."""
-    view = memoryview(out.numpy()).cast("B")
+def read_bytes(fd: int, offset: int, out: torch.Tensor | memoryview) -> None:
+    """Fill `out` (a uint8 tensor or a byte memoryview) with the file's bytes from `offset` (preadv loops: one
+    call reads < 2 GiB)."""
+    view = out if isinstance(out, memoryview) else memoryview(out.numpy()).cast("B")
     done = 0
     while done < len(view):
         got = os.preadv(fd, [view[done:]], offset + done)

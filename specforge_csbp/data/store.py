@@ -17,10 +17,11 @@ Under CSBP a rank holds only its zigzag shard of the context, so it reads only t
     never the rows in between.
 
 `read_intervals` parses the file's safetensors header and reads the whole checksummed chunks that cover
-the requested rows with positioned reads of `PIECE_BYTES`, several in flight on the read threads (a disk
-serves parallel requests faster than one stream, and a mapped file's page faults are one stream per
-thread), hashing each piece where it landed (checksums.py) before a row is returned; `read_pieces` yields
-them piece by piece, so a consumer's copy to a GPU overlaps the reads still in flight. Tokens and loss mask
+the requested rows in pieces of `PIECE_BYTES`, several in flight on the read threads (a disk serves
+parallel requests faster than one stream, and a mapped file's page faults are one stream per thread). A
+read thread fills its piece by positioned sub-reads of `HASH_STEP_BYTES`, hashing each while it is still in
+the CPU's cache, and checks each chunk (checksums.py) before a row is returned. `read_pieces` yields the
+rows piece by piece, so a consumer's copy to a GPU overlaps the reads still in flight. Tokens and loss mask
 are small and read whole.
 
 Writes are atomic (temporary file + rename) for sample files and the manifest alike. The manifest is
@@ -48,7 +49,17 @@ from safetensors.torch import save_file
 
 from ..outputs import file_sha256, naming_full_disk, write_json_atomic
 from ..preflight import count_non_finite
-from .checksums import CHUNK_BYTES, Span, chunk_hash_name, chunk_rows_for, file_digests, hasher, read_bytes, tensor_spans
+from .checksums import (
+    CHUNK_BYTES,
+    Span,
+    chunk_hash_name,
+    chunk_rows_for,
+    file_digests,
+    hasher,
+    read_bytes,
+    stream_hasher,
+    tensor_spans,
+)
 from .manifest import (
     FEATURE_DTYPES,
     FORMAT,
@@ -58,11 +69,23 @@ from .manifest import (
     TargetInfo,
 )
 
-__all__ = ["PIECE_BYTES", "VERIFY_MODES", "FeatureStore", "FeatureStoreWriter", "SampleRows", "check_out_dir"]
+__all__ = [
+    "HASH_STEP_BYTES",
+    "PIECE_BYTES",
+    "VERIFY_MODES",
+    "FeatureStore",
+    "FeatureStoreWriter",
+    "SampleRows",
+    "check_out_dir",
+]
 
-#: bytes of rows one positioned read fills (whole checksummed chunks): large enough that the kernel issues
-#: large requests, small enough that 2 x read_threads of them in flight stay a few hundred MiB
+#: bytes of rows one read thread's piece holds (whole checksummed chunks): large enough that the kernel
+#: issues large requests, small enough that 2 x read_threads of them in flight stay a few hundred MiB
 PIECE_BYTES = 16 << 20
+#: bytes of one positioned sub-read of a checked piece, hashed right after it lands: a few of them in flight
+#: on the read threads fit the CPU's last-level cache, so the hash reads them there instead of reading a
+#: whole 4 MiB chunk back from memory (bandwidth and cache the training step's own threads then keep)
+HASH_STEP_BYTES = 1 << 20
 
 VERIFY_MODES = ("full", "lazy", "trust")
 _SAMPLES_DIR = "samples"
@@ -322,7 +345,7 @@ A store whose capture or import did not finish (`complete: false`) is refused.
     Corrupted or missing files raise a one-line ValueError naming the file. `bytes_read` / `bytes_hashed`
     count the sample-file bytes reads have read and hashed (equal under "lazy" on a checksummed store).
     `read_threads`: threads the positioned reads of one long read run on, each hashing what it read (reads
-    and hashes release the GIL); 2 x read_threads reads are in flight.
+    and hashes release the GIL); 2 x read_threads pieces are in flight.
     """
 
     def __init__(self, root: str, verify: str = "full", *, read_threads: int = 8) -> None:
@@ -350,6 +373,7 @@ A store whose capture or import did not finish (`complete: false`) is refused.
         )
         # per-chunk checks on every read unless trusted; a store from before them: sha256 at the first read
         self._digest = hasher(self.manifest.chunk_hash) if chunked and verify != "trust" else None
+        self._stream = stream_hasher(self.manifest.chunk_hash) if self._digest is not None else None
         self._lazy_whole = verify == "lazy" and not chunked
         if self._lazy_whole and self.manifest.samples:
             print(
@@ -456,7 +480,8 @@ A store whose capture or import did not finish (`complete: false`) is refused.
         """Hidden-state rows of the token intervals [lo, hi), concatenated in order: [sum(hi - lo), W].
 
         Only those rows are read (rounded out to whole checksummed chunks, which are verified first), by
-        positioned reads of `PIECE_BYTES` on the read threads, straight into the returned tensor's memory.
+        positioned reads into pieces of `PIECE_BYTES` on the read threads, straight into the returned tensor's
+        memory.
         """
         entry = self.entry(sample_id)
         parts = []
@@ -482,10 +507,11 @@ A store whose capture or import did not finish (`complete: false`) is refused.
         self, sample_id: str, lo: int, hi: int, *, pin: bool = False
     ) -> Iterator[tuple[int, torch.Tensor]]:
         """Rows [lo, hi) as consecutive pieces `(offset from lo, rows [n, W])`, in order, yielded while later
-        pieces are still being read: up to 2 x read_threads positioned reads of `PIECE_BYTES` in flight (what
-        keeps a disk at its parallel rate), each into its own buffer (page-locked when `pin`, so a caller can
-        copy it to a GPU without waiting) and verified there before it is yielded. For a consumer that copies
-        the rows anyway (to a GPU, to another dtype), its copies overlap the reads of the next pieces:
+        pieces are still being read: up to 2 x read_threads pieces of `PIECE_BYTES` in flight on the read
+        threads (what keeps a disk at its parallel rate), each read into its own buffer (page-locked when
+        `pin`, so a caller can copy it to a GPU without waiting) and verified there before it is yielded. For
+        a consumer that copies the rows anyway (to a GPU, to another dtype), its copies overlap the reads of
+        the next pieces:
 
             rows    lo ....................................................... hi
             reads   | piece 0 | piece 1 | piece 2 | piece 3 | ...   (2 x threads in flight, whole chunks)
@@ -546,17 +572,34 @@ A store whose capture or import did not finish (`complete: false`) is refused.
             a = end
 
     def _fill(self, entry: SampleEntry, fd: int, hidden: Span, p: int, q: int, buf: torch.Tensor) -> None:
-        """buf = the bytes of rows [p, q), one positioned read (on a read thread), then verified by chunk."""
+        """buf = the bytes of rows [p, q), read on a read thread: one positioned read, or, when checked, one
+        sub-read of up to HASH_STEP_BYTES after another, each fed to its chunk's hash as it lands, a chunk's
+        digest compared with the manifest when its last byte is in (a failure raises before the piece is
+        used):
+
+            rows       p ................................................... q
+            chunks     |       chunk k        |      chunk k+1       | ...   whole chunks (the sample's
+            sub-reads  | 1 MiB | 1 MiB | ... r| 1 MiB | 1 MiB | ... r| ...   last may be shorter); r: the
+            checks                            ^ chunk k              ^ chunk k+1     rest of a chunk
+        """
+        start, row_bytes = hidden.start + p * self._row_bytes, self._row_bytes
+        view = memoryview(buf.numpy())
         try:
-            read_bytes(fd, hidden.start + p * self._row_bytes, buf)
+            if self._stream is None:
+                read_bytes(fd, start, view)
+            else:
+                rows = self._chunk_rows
+                for k in range(p // rows, -(-q // rows)):
+                    lo, hi = (max(p, k * rows) - p) * row_bytes, (min(q, k * rows + rows) - p) * row_bytes
+                    h = self._stream()
+                    for at in range(lo, hi, HASH_STEP_BYTES):
+                        part = view[at : min(hi, at + HASH_STEP_BYTES)]
+                        read_bytes(fd, start + at, part)
+                        h.update(part)
+                    self._check_chunk(entry, k, h.hexdigest())
         except OSError as err:
             raise ValueError(f"corrupted or missing store file {self._path(entry)}: {err}".replace("\n", " ")) from None
-        if self._digest is not None:
-            rows = self._chunk_rows
-            for k in range(p // rows, -(-q // rows)):
-                lo, hi = max(p, k * rows), min(q, k * rows + rows)
-                self._check_chunk(entry, k, buf[(lo - p) * self._row_bytes : (hi - p) * self._row_bytes])
-        self._count(buf.numel(), buf.numel() if self._digest is not None else 0)
+        self._count(buf.numel(), buf.numel() if self._stream is not None else 0)
 
     @contextlib.contextmanager
     def _sample_file(self, entry: SampleEntry, intervals: Sequence[tuple[int, int]]):
@@ -570,9 +613,9 @@ A store whose capture or import did not finish (`complete: false`) is refused.
         with self._file(entry) as f:
             yield f.fileno(), self._hidden_span(entry, tensor_spans(f, path), path)
 
-    def _check_chunk(self, entry: SampleEntry, k: int, chunk: torch.Tensor) -> None:
-        """Chunk k's bytes (already read into memory) against the manifest."""
-        if self._digest(memoryview(chunk.numpy())) != entry.chunk_digests[k]:
+    def _check_chunk(self, entry: SampleEntry, k: int, digest: str) -> None:
+        """Chunk k's digest (of the bytes read) against the manifest."""
+        if digest != entry.chunk_digests[k]:
             rows = self.manifest.chunk_rows
             raise ValueError(
                 f"corrupted store file {self._path(entry)}: hidden_states rows {k * rows}-"

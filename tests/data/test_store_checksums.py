@@ -15,7 +15,7 @@ import torch
 
 import specforge_csbp.data.store as store_mod
 from specforge_csbp.data import FeatureStore, FeatureStoreWriter, ShardedFeatureDataset, TargetInfo
-from specforge_csbp.data.checksums import chunk_hash_name, hasher, tensor_spans
+from specforge_csbp.data.checksums import chunk_hash_name, hasher, stream_hasher, tensor_spans
 from specforge_csbp.layout import ZigzagShards
 
 WIDTH, LENGTH, ROWS = 6, 48, 5  # 5-row chunks: not aligned with the 4-token blocks
@@ -302,3 +302,130 @@ def test_hashing_a_chunk_leaves_the_training_thread_running(name):
     view = memoryview(buf.numpy())
     stall, ran = _longest_stall_of_this_thread(lambda: digest(view))
     assert stall < 0.5 * ran, f"{name}: this thread stalled {stall * 1e3:.1f} ms of the hash's {ran * 1e3:.1f} ms"
+
+
+def _record_sub_reads(monkeypatch, store):
+    """Per thread, in order: ("read", file offset, bytes) for each positioned read and ("hash", bytes) for
+    each update of a chunk's hash object, ("digest",) when a chunk's digest is taken."""
+    events: dict[int, list] = {}
+    preadv = os.preadv
+
+    def counted_preadv(fd, buffers, offset):
+        events.setdefault(threading.get_ident(), []).append(("read", offset, sum(len(b) for b in buffers)))
+        return preadv(fd, buffers, offset)
+
+    class Recorded:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def update(self, buf):
+            events.setdefault(threading.get_ident(), []).append(("hash", len(buf)))
+            self.inner.update(buf)
+
+        def hexdigest(self):
+            events.setdefault(threading.get_ident(), []).append(("digest",))
+            return self.inner.hexdigest()
+
+    monkeypatch.setattr(os, "preadv", counted_preadv)
+    new = store._stream
+    monkeypatch.setattr(store, "_stream", lambda: Recorded(new()))
+    return events
+
+
+@pytest.mark.parametrize("step", [7, 16, ROWS * WIDTH * 2, 1 << 20])  # bytes: 7 and 16 do not divide a
+@pytest.mark.parametrize("chunks_a_piece", [1, 2, 3])  # 60-byte chunk, 60 is one, 1 MiB is more than one
+def test_each_sub_read_is_hashed_as_it_lands_and_never_crosses_a_chunk(tmp_path, monkeypatch, step,
+                                                                        chunks_a_piece):
+    root, samples = _write(str(tmp_path / "store"))  # 48 rows: the last chunk (45-47) is short, and the last
+    store = FeatureStore(root, verify="lazy", read_threads=2)  # piece ends inside a chunk's 5 rows
+    row_bytes = WIDTH * 2
+    chunk_bytes = ROWS * row_bytes
+    start = _hidden_start(os.path.join(root, "samples", "00000001.safetensors"))
+    end = start + LENGTH * row_bytes
+    for lo, hi in [(0, LENGTH), (7, 31), (44, LENGTH), (46, 47)]:
+        monkeypatch.setattr(store_mod, "HASH_STEP_BYTES", step)
+        monkeypatch.setattr(store_mod, "PIECE_BYTES", chunks_a_piece * chunk_bytes)
+        events = _record_sub_reads(monkeypatch, store)
+        before = (store.bytes_read, store.bytes_hashed)
+        assert torch.equal(torch.cat([r for _, r in _pieces(store, "s1", lo, hi)]), samples[1][1][lo:hi])
+        a, b = lo // ROWS * ROWS, min(-(-hi // ROWS) * ROWS, LENGTH)  # the covering chunks
+        assert store.bytes_read - before[0] == store.bytes_hashed - before[1] == (b - a) * row_bytes
+        reads = sorted(e[1:] for ev in events.values() for e in ev if e[0] == "read")
+        at = start + a * row_bytes
+        for off, n in reads:  # the covering bytes once, in sub-reads of at most `step`, none across a chunk
+            assert off == at and 0 < n <= step
+            assert (off - start) // chunk_bytes == (off + n - 1 - start) // chunk_bytes
+            at += n
+        assert at == start + b * row_bytes
+        for ev in events.values():  # each read hashed right after it lands, a digest once its chunk is whole
+            hashed = 0
+            for i, e in enumerate(ev):
+                if e[0] == "read":
+                    assert ev[i + 1] == ("hash", e[2])
+                    hashed, last_end = hashed + e[2], e[1] + e[2]
+                elif e[0] == "digest":
+                    short = hashed == (LENGTH % ROWS) * row_bytes and last_end == end  # the sample's last
+                    assert hashed == chunk_bytes or short
+                    hashed = 0
+            assert hashed == 0
+        digests = sum(e == ("digest",) for ev in events.values() for e in ev)
+        assert digests == -(-(b - a) // ROWS)
+        if step >= chunk_bytes:  # chunks no larger than one sub-read: one read per chunk
+            assert len(reads) == digests
+        monkeypatch.undo()  # os.preadv and the hash as they were, patched again for the next range
+
+
+@pytest.mark.parametrize("chunk, at", [(3, ROWS * WIDTH * 2 - 5), (9, (LENGTH % ROWS) * WIDTH * 2 - 1)])
+def test_a_flipped_byte_in_the_last_sub_read_of_a_chunk_stops_the_read(tmp_path, monkeypatch, chunk, at):
+    # 16-byte sub-reads: a 60-byte chunk is read as 16 + 16 + 16 + 12, the sample's last (36 bytes) as
+    # 16 + 16 + 4; the flipped byte is in the last sub-read of its chunk
+    root, samples = _write(str(tmp_path / "store"))
+    monkeypatch.setattr(store_mod, "HASH_STEP_BYTES", 16)
+    monkeypatch.setattr(store_mod, "PIECE_BYTES", 2 * ROWS * WIDTH * 2)
+    victim = os.path.join(root, "samples", "00000000.safetensors")
+    _flip(victim, _hidden_start(victim) + chunk * ROWS * WIDTH * 2 + at)
+    lo, hi = chunk * ROWS, min(chunk * ROWS + ROWS, LENGTH) - 1
+    message = (f"corrupted store file {victim}: hidden_states rows {lo}-{hi} (chunk {chunk}) differ from the "
+               f"manifest's {chunk_hash_name()} checksum")  # fmt: skip
+    got = []
+    with pytest.raises(ValueError) as err:
+        for offset, rows in FeatureStore(root, verify="lazy", read_threads=3).read_pieces("s0", 0, LENGTH):
+            got.append((offset, rows.clone()))
+    assert str(err.value) == message
+    first = chunk // 2 * 2 * ROWS  # the rows of the pieces before the chunk's piece, and none of it
+    assert sum(len(r) for _, r in got) == first
+    assert torch.equal(torch.cat([r for _, r in got]), samples[0][1][:first])
+    with pytest.raises(ValueError) as err:
+        FeatureStore(root, verify="lazy").read_intervals("s0", [(hi, hi + 1)])
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize("name", ["crc32", "xxh3_64"])
+def test_streamed_digests_are_the_one_shot_digests(name):
+    # the writer's digests (one shot) are what a read's streamed digests are compared with
+    if name == "xxh3_64":
+        pytest.importorskip("xxhash")
+    g = torch.Generator().manual_seed(2)
+    buf = torch.randint(0, 256, ((3 << 20) + 17,), dtype=torch.uint8, generator=g)
+    view = memoryview(buf.numpy())
+    whole = hasher(name)(view)
+    uneven = list(range(1, len(view), 65537))
+    for cuts in ([], [1 << 20, 2 << 20, 3 << 20], [7, 8, 4096, (1 << 20) + 1], uneven):
+        h = stream_hasher(name)()
+        for a, b in zip([0, *cuts], [*cuts, len(view)]):
+            h.update(view[a:b])
+        assert h.hexdigest() == whole, (name, cuts[:4])
+    h = stream_hasher(name)()
+    h.update(view[:0])
+    assert h.hexdigest() == hasher(name)(view[:0])
+
+
+def test_stream_hasher_has_the_same_one_line_errors(monkeypatch):
+    monkeypatch.setitem(sys.modules, "xxhash", None)
+    with pytest.raises(ValueError, match="install the `xxhash` package") as err:
+        stream_hasher("xxh3_64")
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="chunk_hash must be one of xxh3_64, crc32; got 'md5'"):
+        stream_hasher("md5")
+    assert stream_hasher("crc32")().hexdigest() == hasher("crc32")(memoryview(b""))
+
