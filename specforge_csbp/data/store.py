@@ -20,9 +20,10 @@ Under CSBP a rank holds only its zigzag shard of the context, so it reads only t
 the requested rows in pieces of `PIECE_BYTES`, several in flight on the read threads (a disk serves
 parallel requests faster than one stream, and a mapped file's page faults are one stream per thread). A
 read thread fills its piece by positioned sub-reads of `HASH_STEP_BYTES`, hashing each while it is still in
-the CPU's cache, and checks each chunk (checksums.py) before a row is returned. `read_pieces` yields the
-rows piece by piece, so a consumer's copy to a GPU overlaps the reads still in flight. Tokens and loss mask
-are small and read whole.
+the CPU's cache, and checks each chunk (checksums.py) before a row is returned; the read threads run at a
+lower CPU priority (`READ_THREAD_NICE`) than the thread that started them, so a prefetch overlapping a
+training step leaves the step's threads their cores. `read_pieces` yields the rows piece by piece, so a
+consumer's copy to a GPU overlaps the reads still in flight. Tokens and loss mask are small and read whole.
 
 Writes are atomic (temporary file + rename) for sample files and the manifest alike. The manifest is
 written when the store is created, with `complete: false`, and marked complete only when the writer closes
@@ -72,6 +73,7 @@ from .manifest import (
 __all__ = [
     "HASH_STEP_BYTES",
     "PIECE_BYTES",
+    "READ_THREAD_NICE",
     "VERIFY_MODES",
     "FeatureStore",
     "FeatureStoreWriter",
@@ -86,6 +88,9 @@ PIECE_BYTES = 16 << 20
 #: on the read threads fit the CPU's last-level cache, so the hash reads them there instead of reading a
 #: whole 4 MiB chunk back from memory (bandwidth and cache the training step's own threads then keep)
 HASH_STEP_BYTES = 1 << 20
+#: added to the nice value of each read thread: a read has a whole training step of slack, the step's own
+#: threads (the trainer's, its OpenMP workers) must never wait for a core behind a read or a hash
+READ_THREAD_NICE = 5
 
 VERIFY_MODES = ("full", "lazy", "trust")
 _SAMPLES_DIR = "samples"
@@ -345,7 +350,8 @@ A store whose capture or import did not finish (`complete: false`) is refused.
     Corrupted or missing files raise a one-line ValueError naming the file. `bytes_read` / `bytes_hashed`
     count the sample-file bytes reads have read and hashed (equal under "lazy" on a checksummed store).
     `read_threads`: threads the positioned reads of one long read run on, each hashing what it read (reads
-    and hashes release the GIL); 2 x read_threads pieces are in flight.
+    and hashes release the GIL), at READ_THREAD_NICE above their creator's nice value where the OS allows
+    it; 2 x read_threads pieces are in flight.
     """
 
     def __init__(self, root: str, verify: str = "full", *, read_threads: int = 8) -> None:
@@ -634,7 +640,9 @@ A store whose capture or import did not finish (`complete: false`) is refused.
     def _executor(self) -> ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="store-read")
+                self._pool = ThreadPoolExecutor(
+                    self._threads, thread_name_prefix="store-read", initializer=_lower_this_threads_priority
+                )
         return self._pool
 
     def _count(self, read: int, hashed: int) -> None:
@@ -677,6 +685,17 @@ A store whose capture or import did not finish (`complete: false`) is refused.
             raise ValueError(f"corrupted store file {path}: {size} bytes, manifest says {entry.nbytes}")
         if full and file_sha256(path) != entry.sha256:
             raise ValueError(f"corrupted store file {path}: sha256 differs from the manifest")
+
+
+def _lower_this_threads_priority() -> None:
+    """Raise the calling thread's nice value by READ_THREAD_NICE (Linux: a thread id names one thread, and
+    any process may raise its own threads' nice values); where that is not possible, nothing."""
+    try:
+        tid = threading.get_native_id()
+        nice = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, nice + READ_THREAD_NICE))
+    except (AttributeError, OSError):  # no setpriority (another OS), or a sandbox that refuses it
+        pass
 
 
 class SampleRows:

@@ -429,3 +429,23 @@ def test_stream_hasher_has_the_same_one_line_errors(monkeypatch):
         stream_hasher("md5")
     assert stream_hasher("crc32")().hexdigest() == hasher("crc32")(memoryview(b""))
 
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
+def test_the_read_threads_run_at_a_lower_priority_than_the_caller(tmp_path, monkeypatch):
+    # A read overlaps a training step with a whole step of slack; the step's own threads keep their cores.
+    root, samples = _write(str(tmp_path / "store"))
+    monkeypatch.setattr(store_mod, "PIECE_BYTES", 2 * ROWS * WIDTH * 2)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    store = FeatureStore(root, verify="lazy", read_threads=2)
+    assert torch.equal(store.read_intervals("s0", [(0, LENGTH)]), samples[0][1])  # 5 pieces on the pool
+    both = threading.Barrier(2, timeout=10)  # two jobs that wait for each other run on the pool's two threads
+
+    def nice_of_this_thread():
+        both.wait()
+        tid = threading.get_native_id()
+        return tid, os.getpriority(os.PRIO_PROCESS, tid)
+
+    got = [f.result() for f in [store._executor().submit(nice_of_this_thread) for _ in range(2)]]
+    assert len({tid for tid, _ in got}) == 2
+    assert [nice for _, nice in got] == [min(19, mine + store_mod.READ_THREAD_NICE)] * 2
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the caller's is unchanged
