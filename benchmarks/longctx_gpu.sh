@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The long-context study on one H200 (docs/long_context.md), in parts that each fit a 10-minute call.
+# The long-context study on one GPU (H200 or H100) (docs/long_context.md), in parts that each fit a 10-minute call.
 # After `source benchmarks/gpu_env.sh` (carried wheels: specforge 0.2.0 + pydantic for the train stage):
 #   bash benchmarks/longctx_gpu.sh 1     # target: trains up to --target-minutes (9), resumable; repeat until done
 #   bash benchmarks/longctx_gpu.sh 2     # capture the stores the chosen drafters need (~7 GiB each, under RUN)
@@ -22,6 +22,9 @@ PART=${1:?part 1, 2 or 3}
 RUN=${RUN:-runs/long_context/gpu}   # ignored by git: kept between calls on a warm machine; target/ (~40 MB) can be carried
 OUT=${OUT:-benchmarks/results}
 DATE=$(date -u +%F)
+# the records file names the GPU the run had (an H200 call may run on an H100): h100, h200, ... or gpu
+KIND=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE '[abhl][0-9]{2,3}' | head -1 | tr 'A-Z' 'a-z')
+KIND=${KIND:-gpu}
 GPUS=${GPUS:-1}
 DRAFTERS=${DRAFTERS:-all}
 mkdir -p "$RUN" "$OUT/longctx"
@@ -30,7 +33,7 @@ rc=0  # a failed stage fails the part (after the outputs below are copied), so `
 case "$PART" in
   1) $S --stage target --target-minutes "${TARGET_MINUTES:-9}" || { rc=$?; [ "$rc" = 3 ] && echo "target: not done; run part 1 again"; } ;;
   2) { $S --stage capture --drafters "$DRAFTERS" && $S --stage train --drafters "$DRAFTERS" --gpus "$GPUS"; } || rc=$? ;;
-  3) { $S --stage eval --drafters "$DRAFTERS" && $S --stage report --records "$OUT/longctx_h200_$DATE.jsonl"; } || rc=$? ;;
+  3) { $S --stage eval --drafters "$DRAFTERS" && $S --stage report --records "$OUT/longctx_${KIND}_$DATE.jsonl"; } || rc=$? ;;
   probe) python3 scripts/long_context_probe.py --scale gpu --run "$RUN" --drafters "${PROBE_DRAFTERS:-short,long}" \
       --near 256 --device cuda --blocks 32 || rc=$? ;;
   all) { bash "$0" 1 && bash "$0" 2 && bash "$0" 3; } || rc=$? ;;

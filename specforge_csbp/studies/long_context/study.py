@@ -16,8 +16,10 @@ skips work whose output is already there (so a stage cut by a time limit is run 
               (--bucket-edges): prompts cut inside far repeats, and prompts followed by local filler
                                                                      -> RUN/eval-NAME.json, RUN/eval-NAME-local.json
     report    records (workload "longctx"), the plot of every drafter's curves and the target's accuracy by
-              distance, the result tables (report.py)                -> RUN/records.jsonl, RUN/long_context.png,
-                                                                        RUN/long_context_tables.md
+              distance, the result tables and the recipe table (report.py)
+                                                                     -> RUN/records.jsonl, RUN/long_context.png,
+                                                                        RUN/long_context_tables.md,
+                                                                        RUN/long_context_recipe.md
 
 `drafters` (scripts/long_context_study.py --drafters a,b) picks the grid entries a call trains and evaluates
 (warm-start sources added); the report covers every drafter evaluated so far. A stage needs only the files
@@ -38,12 +40,13 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
-from ...bench.records import load_records
 from ...cli.main import main as cli_main
 from ...outputs import write_json_atomic, write_text_atomic
 from .documents import DocSpec, eval_prompts, local_prompts, make_document
 from .grid import ARCHS, DRAFTERS, DrafterRun, drafter_config_name, layer_types, select
-from .report import EVAL_SETS, eval_path, plot_study, span, study_records, tables_markdown, update_docs
+from .recipe import recipe_table
+from .report import (EVAL_SETS, eval_path, load_runs, plot_study, span, study_records, tables_markdown,
+                     update_docs)  # fmt: skip
 from .target import HELD_OUT_BASE, TargetScale, accuracy_by_distance, train_target
 
 __all__ = ["SCALES", "STAGES", "Scale", "carry_paths", "run_stage"]
@@ -390,22 +393,24 @@ def _device_name(scale: Scale) -> str:
 
 def stage_report(run: str, scale: Scale, seed: int, records_path: str | None = None,
                  docs: str | None = None, from_records: tuple[str, ...] = ()) -> list[dict]:  # fmt: skip
-    """Records, plot and tables of every drafter evaluated so far; `docs`: also the tables into that markdown
-    file's report block and the plot beside it (docs/long_context.md, docs/long_context.png). `from_records`:
-    plot and tables from these record files instead (benchmarks/results/longctx_*.jsonl; no records written)."""
+    """Records, plot, tables and recipe table of every drafter evaluated so far; `docs`: also the tables into
+    that markdown file's report block (and the recipe table into its recipe block, where it has one) and the
+    plot beside it (docs/long_context.md, docs/long_context.png). `from_records`: plot and tables from these
+    record files instead (benchmarks/results/longctx_*.jsonl; each file one study run; no records written)."""
     if from_records:
-        records = [r.model_dump() for path in from_records for r in load_records(path)]
+        records = load_runs(from_records)
         path = ", ".join(from_records)
     else:
         records = study_records(run, scale, _device_name(scale), _commands(run))
         path = records_path or os.path.join(run, "records.jsonl")
         _write_jsonl(path, records)
-    tables = tables_markdown(records)
+    tables, recipe = tables_markdown(records), recipe_table(records)
     if docs is not None:  # first: a docs file without the block fails before anything is drawn
-        update_docs(docs, tables)
+        update_docs(docs, tables, recipe)
         plot_study(records, os.path.join(os.path.dirname(docs), "long_context.png"))
     plot_study(records, os.path.join(run, "long_context.png"))
     write_text_atomic(os.path.join(run, "long_context_tables.md"), tables)
+    write_text_atomic(os.path.join(run, "long_context_recipe.md"), recipe)
     for r in records:
         if r.get("metric") == "tau":
             tau = "n/a" if r["tau"] is None else f"{r['tau']:.2f}"
