@@ -66,10 +66,10 @@ _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 def _xxh3() -> Callable[[memoryview], str]:
     import xxhash  # lazy: optional dependency (the stdlib CRC-32 stands in without it)
 
-    # Through the hash object, not the one-shot `xxh3_64_hexdigest`: python-xxhash releases the GIL only in
-    # an object's update (which its constructor runs); the one-shot function holds it for the whole buffer, so
-    # the read threads hashing a 3.4 GB sample would stall the trainer's own thread for the time it takes.
-    # Both give the same digest, so stores written either way verify alike.
+    # Through the hash object, not the one-shot `xxh3_64_hexdigest`: every python-xxhash release (pyproject
+    # allows >= 3) releases the GIL in an object's update (which its constructor runs), while its one-shot
+    # function holds it for the whole buffer before 4.0, which would stall the trainer's own thread while the
+    # read threads hash a 3.4 GB sample. Both give the same digest, so stores written either way verify alike.
     return lambda buf: xxhash.xxh3_64(buf).hexdigest()
 
 
