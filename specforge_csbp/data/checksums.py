@@ -63,23 +63,9 @@ _HIDDEN = "hidden_states"
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 
-def _xxh3() -> Callable[[memoryview], str]:
-    import xxhash  # lazy: optional dependency (the stdlib CRC-32 stands in without it)
-
-    # Through the hash object, not the one-shot `xxh3_64_hexdigest`: every python-xxhash release (pyproject
-    # allows >= 3) releases the GIL in an object's update (which its constructor runs), while its one-shot
-    # function holds it for the whole buffer before 4.0, which would stall the trainer's own thread while the
-    # read threads hash a 3.4 GB sample. Both give the same digest, so stores written either way verify alike.
-    return lambda buf: xxhash.xxh3_64(buf).hexdigest()
-
-
-def _crc32(buf: memoryview) -> str:
-    # zlib releases the GIL for buffers over 5 KiB (every chunk)
-    return f"{zlib.crc32(buf):08x}"
-
-
 class _Crc32Stream:
-    """zlib's CRC-32 fed piece by piece: `zlib.crc32(b, zlib.crc32(a))` is the CRC-32 of a + b."""
+    """zlib's CRC-32 fed piece by piece: `zlib.crc32(b, zlib.crc32(a))` is the CRC-32 of a + b (zlib releases
+    the GIL for buffers over 5 KiB: every chunk)."""
 
     __slots__ = ("value",)
 
@@ -96,41 +82,43 @@ class _Crc32Stream:
 def chunk_hash_name() -> str:
     """'xxh3_64' when the `xxhash` package is installed, else 'crc32' (zlib, always there)."""
     try:
-        _xxh3()
+        import xxhash  # noqa: F401  # lazy: optional dependency (the stdlib CRC-32 stands in without it)
     except ImportError:
         return "crc32"
     return "xxh3_64"
 
 
-def hasher(name: str) -> Callable[[memoryview], str]:
-    """The digest function of a recorded `chunk_hash`; a store made with xxhash read without it is one line."""
-    if name == "crc32":
-        return _crc32
-    _require(name)
-    return _xxh3()
-
-
 def stream_hasher(name: str) -> Callable[[], Any]:
-    """A factory of hash objects (`update(buf)` piece by piece, then `hexdigest()`) whose digest is
-    `hasher(name)`'s digest of the bytes fed to them, however they are cut; the same one-line errors."""
+    """A factory of hash objects (`update(buf)` piece by piece, then `hexdigest()`) for a recorded
+    `chunk_hash`; the digest does not depend on how the bytes are cut. An unknown name, or a store made with
+    xxhash read without it, is one line."""
     if name == "crc32":
         return _Crc32Stream
-    _require(name)
-    import xxhash
-
-    return lambda: xxhash.xxh3_64(b"")  # an object's update releases the GIL (see _xxh3)
-
-
-def _require(name: str) -> None:
-    """One line for a name other than the two known, and for xxh3_64 without the `xxhash` package."""
     if name != "xxh3_64":
         raise ValueError(f"chunk_hash must be one of {', '.join(CHUNK_HASHES)}; got {name!r}")
     try:
-        _xxh3()
+        import xxhash  # lazy: optional dependency
     except ImportError:
         raise ValueError(
             "chunk_hash: this store's checksums are xxh3_64; install the `xxhash` package to read it"
         ) from None
+    # The hash object, never the one-shot `xxh3_64_hexdigest`: every python-xxhash release (pyproject allows
+    # >= 3) releases the GIL in an object's update, while its one-shot function holds it for the whole buffer
+    # before 4.0, which would stall the trainer's own thread while the read threads hash a 3.4 GB sample.
+    # Both give the same digest, so stores written either way verify alike.
+    return lambda: xxhash.xxh3_64(b"")
+
+
+def hasher(name: str) -> Callable[[memoryview], str]:
+    """bytes -> hex digest of a recorded `chunk_hash` (stream_hasher's, fed at once; its one-line errors)."""
+    new = stream_hasher(name)
+
+    def digest(buf: memoryview) -> str:
+        h = new()
+        h.update(buf)
+        return h.hexdigest()
+
+    return digest
 
 
 def chunk_rows_for(row_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> int:
