@@ -7,8 +7,9 @@ per layer of one training step, for drafters at init and trained, on a sample of
     python scripts/long_context_probe.py --scale gpu --run runs/long_context/gpu --drafters short,long --near 256 \
         --device cuda --blocks 32
 
-RUN needs target/, store-short/, store-long/ and the exports drafter-NAME/ (the study's capture and train
-stages); "init" is each drafter's config with freshly initialised weights (seed 0). Writes RUN/probe.json.
+RUN needs target/, store-short/ and/or store-long/ (a store not captured is left out) and the exports
+drafter-NAME/ (the study's capture and train stages); "init" is each drafter's config with freshly initialised
+weights (seed 0). Writes RUN/probe.json.
 """
 
 from __future__ import annotations
@@ -49,13 +50,19 @@ def main(argv: list[str] | None = None) -> int:
     head = target.get_output_embeddings().weight.detach().to(args.device)
     batches = {}
     for kind, count in (("short", scale.ratio), ("long", 1)):  # one training step's samples of each store
-        store = FeatureStore(os.path.join(args.run, f"store-{kind}"), verify="trust")
+        path = os.path.join(args.run, f"store-{kind}")
+        if not os.path.exists(os.path.join(path, "manifest.json")):  # a run that captured only what its drafters need
+            print(f"probe: {path} not captured: the {kind} store is left out", flush=True)
+            continue
+        store = FeatureStore(path, verify="trust")
         samples = []
         for sid in store.sample_ids[:count]:
             ids, mask = store.read_tokens(sid)
             samples.append(DrafterSample(ids, mask, store.read_intervals(sid, [(0, len(ids))]).float()))
         anchors = scale.anchors_long // (scale.ratio if kind == "short" else 1)
         batches[kind] = (samples, DFlashObjective(num_anchors=anchors, gamma=4.0 if scale.block_size <= 8 else 7.0))
+    if not batches:
+        raise SystemExit(f"--run: {args.run} has neither store-short/ nor store-long/ (run the study's capture stage)")
     rows = []
     for name in args.drafters.split(","):
         for state in ("init", "trained"):

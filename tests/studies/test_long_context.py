@@ -116,6 +116,18 @@ def test_cpu_miniature_runs_every_stage(tmp_path):
         assert tables.count(f"| {name} | ") == 2, name
     assert f"sliding window {scale.window} + last full layer, trained at {scale.short_len}, then at {scale.long_len} " \
         "tokens, locality anchors" in tables
+    # the plateau probe on what the run has: a store not captured is left out, each drafter init and trained
+    (run / "store-short").rename(run / "store-short-off")
+    probe = subprocess.run([sys.executable, str(ROOT / "scripts" / "long_context_probe.py"), "--scale", "cpu", "--run",
+                            str(run), "--drafters", "swa-long", "--near", "16", "--blocks", "4"], env=env,
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert probe.returncode == 0, probe.stdout[-2000:] + probe.stderr[-2000:]
+    assert f"probe: {run / 'store-short'} not captured: the short store is left out" in probe.stdout
+    rows = json.loads((run / "probe.json").read_text())
+    assert [(r["drafter"], r["state"], r["store"]) for r in rows] == [("swa-long", "init", "long"),
+                                                                      ("swa-long", "trained", "long")]
+    assert all(r["keys_seen"] <= scale.window - 1 and 0 < r["entropy_ratio"] <= 1 for r in rows)
+    (run / "store-short-off").rename(run / "store-short")
     # idempotent: a second run of a stage skips what exists
     again = subprocess.run(cmd + ["--stage", "train", "--drafters", "swa-long"], env=env, capture_output=True,
                            text=True, timeout=120)  # fmt: skip
