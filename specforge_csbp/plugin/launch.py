@@ -50,6 +50,14 @@ def train_main(argv: list[str], *, prog: str = "specforge-csbp train") -> int:
     return run(p.parse_args(argv), prog=prog)
 
 
+def _has_full_attention(draft: dict | None) -> bool | None:
+    """Whether a drafter config has a full-attention layer (no `layer_types`: every layer is; None: no
+    config)."""
+    if draft is None:
+        return None
+    return "full_attention" in (draft.get("layer_types") or ["full_attention"])
+
+
 def _draft_config_dict(path: str) -> dict | None:
     src = path if path.endswith(".json") else os.path.join(path, "config.json")
     if not os.path.isfile(src):
@@ -249,8 +257,9 @@ def _train(resolved, prepared: PreparedRun) -> int:
         # the next micro-step's first sample is built while this one's last runs (changes nothing if this
         # SpecForge keeps its data stream elsewhere: plugin/lookahead.py)
         lookahead.install(run)
+        draft = _draft_config_dict(cfg.model.draft_model_config) if cfg.model.draft_model_config else None
         plateau = reporting.PlateauCheck(prepared.options.plateau_steps, cfg.data.max_length,
-                                         cfg.model.draft_checkpoint_path)  # fmt: skip
+                                         cfg.model.draft_checkpoint_path, _has_full_attention(draft))  # fmt: skip
         reporting.install(run, plateau=plateau)  # progress bar, metrics.jsonl, eval/est_tau, the plateau line
         with naming_full_disk(cfg.output_dir):  # a full disk in a save (SpecForge's torch.save): one line
             step = run.run()

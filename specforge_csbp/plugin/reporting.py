@@ -71,10 +71,15 @@ def _plain(metrics: Mapping[str, Any]) -> dict[str, float]:
 class PlateauCheck:
     """One look at est_tau, at the first logged step >= `steps` (0: never): below PLATEAU_TAU, `message` is
     the line to print (None otherwise, and at every later step). `max_length`, `warm_start`: the run's
-    data.max_length and model.draft_checkpoint_path, which decide the likely cause."""
+    data.max_length and model.draft_checkpoint_path; `full_attention`: whether a drafter layer is full
+    attention. Together they decide the likely cause and the recipe named."""
 
-    def __init__(self, steps: int, max_length: int | None = None, warm_start: str | None = None) -> None:
+    def __init__(
+        self, steps: int, max_length: int | None = None, warm_start: str | None = None,
+        full_attention: bool | None = None,
+    ) -> None:  # fmt: skip
         self.steps, self.max_length, self.warm_start = steps, max_length, warm_start
+        self.full_attention = full_attention  # the drafter has a full-attention layer (None: not known)
         self.done = steps <= 0
 
     def __call__(self, values: Mapping[str, float], step: int) -> str | None:
@@ -86,12 +91,21 @@ class PlateauCheck:
             return None
         head = (f"specforge-csbp: est_tau {tau:.3f} after {step} steps (csbp.plateau_steps={self.steps}): the "
                 "drafter is still on the unigram plateau (next to no drafted token would be accepted); ")  # fmt: skip
-        if self.warm_start is None and (self.max_length or 0) > LONG_FROM_SCRATCH:
+        two_stage = ("train at 4K-8K tokens first, then continue at this length from those weights "
+                     "(model.draft_checkpoint_path, fresh optimizer, a short warm-up; docs/long_context.md)")  # fmt: skip
+        long_from_scratch = self.warm_start is None and (self.max_length or 0) > LONG_FROM_SCRATCH
+        if long_from_scratch and self.full_attention is not False:
             return head + (
-                f"likely cause: trained from scratch at data.max_length={self.max_length}, where a fresh drafter "
-                "attends over the whole context and the nearby features that carry the next tokens get little "
-                "of it; recipe: train at 4K-8K tokens first, then continue at this length from those weights "
-                "(model.draft_checkpoint_path, fresh optimizer, a short warm-up; docs/long_context.md)"
+                f"likely cause: trained from scratch at data.max_length={self.max_length} with full-attention "
+                "layers, whose fresh attention spreads over the whole context so the nearby features that carry "
+                "the next tokens get little of it; recipe: sliding-window layers (layer_types sliding_attention, "
+                "sliding_window 2048, as drafter_configs/qwen3.6-27b-dflash2.json), or " + two_stage
+            )  # fmt: skip
+        if long_from_scratch:
+            return head + (
+                f"likely cause: too few steps or a learning rate that does not fit for a drafter trained from "
+                f"scratch at data.max_length={self.max_length} (training.learning_rate, training.warmup_ratio); "
+                "recipe: " + two_stage
             )  # fmt: skip
         return head + (
             "likely cause: too few steps or a learning rate that does not fit (training.learning_rate, "

@@ -89,9 +89,14 @@ def test_a_drafter_on_the_plateau_is_said_so_once(tmp_path, capsys):
     assert len(err) == 1
     assert err[0].startswith("specforge-csbp: est_tau 1.040 after 300 steps (csbp.plateau_steps=300): the drafter is "
                              "still on the unigram plateau")  # fmt: skip
-    assert "trained from scratch at data.max_length=65536" in err[0] and "model.draft_checkpoint_path" in err[0]
-    warm = reporting.PlateauCheck(8, max_length=65536, warm_start="/runs/drafter-4k")
-    short = reporting.PlateauCheck(8, max_length=4096)
+    assert "trained from scratch at data.max_length=65536 with full-attention layers" in err[0]
+    assert "sliding-window layers" in err[0] and "model.draft_checkpoint_path" in err[0]
+    # a sliding-window drafter from scratch at long context: not the attention spread; the schedule, two stages
+    windowed = reporting.PlateauCheck(8, max_length=65536, full_attention=False)({"est_tau": 1.0}, 8)
+    assert windowed is not None and "full-attention" not in windowed and "sliding-window layers" not in windowed
+    assert "training.learning_rate" in windowed and "model.draft_checkpoint_path" in windowed
+    warm = reporting.PlateauCheck(8, max_length=65536, warm_start="/runs/drafter-4k", full_attention=True)
+    short = reporting.PlateauCheck(8, max_length=4096, full_attention=True)
     for c in (warm, short):
         line = c({"est_tau": 1.0}, 8)
         assert line is not None and "from scratch" not in line and "training.learning_rate" in line
@@ -100,3 +105,14 @@ def test_a_drafter_on_the_plateau_is_said_so_once(tmp_path, capsys):
     assert off({"est_tau": 1.0}, 1000) is None
     learning = reporting.PlateauCheck(8)
     assert learning({"est_tau": 1.5}, 8) is None and learning({"est_tau": 1.0}, 12) is None  # looked once
+
+
+def test_full_attention_is_read_from_the_drafter_config():
+    """The plateau line's cause: a config without layer_types is full attention (SpecForge's DFlash default);
+    one full layer among sliding ones counts; no config is not known."""
+    from specforge_csbp.plugin.launch import _has_full_attention
+
+    assert _has_full_attention({"num_hidden_layers": 2}) is True
+    assert _has_full_attention({"layer_types": ["sliding_attention", "full_attention"]}) is True
+    assert _has_full_attention({"layer_types": ["sliding_attention"] * 5}) is False
+    assert _has_full_attention(None) is None

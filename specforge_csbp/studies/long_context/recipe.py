@@ -1,23 +1,27 @@
 """The study's final table: does the long-context recipe pay? Generated from the records, never typed.
 
-    recipe_table(records)   per study run (newest first) and evaluated architecture, the 4K drafter and its
-                            two-stage drafters (4K, then the long store from its weights): far tau at 16K-32K
-                            and 32K+, their ratios to the run's 4K full-attention drafter and to their
+    recipe_table(records)   per study run (newest first) and evaluated architecture, its drafters in the
+                            grid's order: the 4K drafter, those trained from scratch on the long store, the
+                            two-stage ones (4K, then the long store from its weights): far tau at 16K-32K and
+                            32K+, their ratios to the run's 4K full-attention drafter and to their
                             architecture's 4K drafter, short-context tau on both eval sets, and whether the
-                            recipe pays (PAYS_*); then per run its drafters trained from scratch on the long
-                            store. A missing bucket or drafter is n/a, never a verdict.
+                            recipe pays (PAYS_*). A missing bucket or drafter is n/a, never a verdict.
 
     | run | drafter | ... | far 16K-32K | far 32K+ | vs full-attention 4K | vs same architecture 4K | ... | meets |
           short                 (the run's baseline: 1.00x / 1.00x)                                      -
+          long                  ratios to `short` ........... ratios to `short` ....................  yes | no: ...
           short-then-long       ratios to `short` ........... ratios to `short` ....................  yes | no: ...
           swa-short             ratios to `short` ........... 1.00x / 1.00x                              -
+          swa-long              ratios to `short` ........... ratios to `swa-short` ................  yes | no: ...
           swa-short-then-long   ratios to `short` ........... ratios to `swa-short` ................  yes | no: ...
+
+Two runs of one date and device are told apart by their record file's name.
 """
 
 from __future__ import annotations
 
 from .grid import ARCHS, DRAFTERS
-from .report import EVAL_SETS, StudyRun, drafter_names, label, study_runs, tau_records
+from .report import EVAL_SETS, StudyRun, drafter_names, label, run_names, study_runs, tau_records
 
 __all__ = ["FAR_BUCKETS", "PAYS_SHORT_FRACTION", "PAYS_VS_ARCH_4K", "PAYS_VS_FULL_4K", "SHORT_BUCKET",
            "recipe_table"]  # fmt: skip
@@ -86,8 +90,9 @@ def _meets(vs_full: list, vs_arch: list, short_fractions: dict[str, float | None
     return "n/a: " + "; ".join(missing) if missing else "yes"
 
 
-def _recipe_rows(run: StudyRun) -> list[str]:
-    """The run's rows: per evaluated architecture, its 4K drafter and its two-stage drafters."""
+def _recipe_rows(run: StudyRun, name_of_run: str) -> list[str]:
+    """The run's rows: per evaluated architecture, its 4K drafter, then its drafters that trained on the long
+    store (from scratch or from the 4K weights), in the grid's order."""
     taus = tau_records(run.records, "far") + tau_records(run.records, "local")
     present = set(drafter_names(taus))
     labels = {r["drafter"]: label(r) for r in taus}
@@ -100,30 +105,17 @@ def _recipe_rows(run: StudyRun) -> list[str]:
     rows = []
     for arch in ARCHS:
         base = _four_k(arch)
-        two_stage = [d.name for d in DRAFTERS if d.warm_start == base and d.store == "long"]
-        for name in [n for n in (base, *two_stage) if n in present]:
+        long_store = [d.name for d in DRAFTERS if d.arch == arch and d.store == "long"]
+        for name in [n for n in (base, *long_store) if n in present]:
             vs_full = [_ratio(a, b) for a, b in zip(far[name], far.get("short", _NONE))]
             vs_arch = [_ratio(a, b) for a, b in zip(far[name], far.get(base, _NONE))]
             meets = "-" if name == base else _meets(vs_full, vs_arch, {
                 f"{s} {_kspan(SHORT_BUCKET)}": _ratio(short[name][s], best[s]) for s in EVAL_SETS})  # fmt: skip
-            cells = [run.name, name, labels[name], *map(_tau_cell, far[name]), _ratio_cell(vs_full),
+            cells = [name_of_run, name, labels[name], *map(_tau_cell, far[name]), _ratio_cell(vs_full),
                      _ratio_cell(vs_arch), _tau_cell(short[name]["far"]), _tau_cell(short[name]["local"]),
                      _tau_cell(tau.get((name, "local", *FAR_BUCKETS[-1]))), meets]  # fmt: skip
             rows.append("| " + " | ".join(cells) + " |")
     return rows
-
-
-def _from_scratch_line(run: StudyRun) -> str:
-    """The run's drafters trained from scratch on the long store, with their far tau over all positions."""
-    far = tau_records(run.records, "far")
-    names = [n for n in drafter_names(far) if _GRID[n].store == "long" and _GRID[n].warm_start is None]
-    if not names:
-        return f"- {run.name}: no drafter trained from scratch on the long store evaluated"
-    first = {n: next(r for r in far if r["drafter"] == n) for n in names}
-    lengths = sorted({r["train_len"] for r in first.values()})
-    cells = [f"{n} {_tau_cell(first[n].get('tau_overall'))}" for n in names]
-    at = " / ".join(map(str, lengths))
-    return f"- {run.name}: from scratch at {at} tokens, far tau over all positions: " + ", ".join(cells)
 
 
 def _k(tokens: int) -> str:
@@ -154,13 +146,11 @@ def _meets_caption() -> str:
 
 def recipe_table(records: list[dict]) -> str:
     """The study's final table (markdown, generated from the records): per run (newest first) and evaluated
-    architecture, the 4K drafter and its two-stage drafters at far context (16K-32K, 32K+), their ratios to
-    the run's 4K full-attention drafter and to their architecture's 4K drafter, their short-context tau, and
-    whether the recipe pays (PAYS_*); then per run its drafters trained from scratch on the long store. A
-    missing bucket or drafter is n/a."""
+    architecture, the 4K drafter and the drafters trained on the long store (from scratch, two-stage) at far
+    context (16K-32K, 32K+), their ratios to the run's 4K full-attention drafter and to their architecture's
+    4K drafter, their short-context tau, and whether the recipe pays (PAYS_*). A missing bucket or drafter is
+    n/a."""
     runs = study_runs(records)
-    rows = [row for run in runs for row in _recipe_rows(run)]
-    lines = [*_recipe_head(), *rows] if rows else ["No run has a 4K or two-stage drafter evaluated yet."]
-    lines += ["", _meets_caption(), ""]
-    lines += [_from_scratch_line(run) for run in runs]
-    return "\n".join(lines) + "\n"
+    rows = [row for run, name in zip(runs, run_names(runs)) for row in _recipe_rows(run, name)]
+    lines = [*_recipe_head(), *rows] if rows else ["No run has a drafter of the grid evaluated yet."]
+    return "\n".join([*lines, "", _meets_caption()]) + "\n"

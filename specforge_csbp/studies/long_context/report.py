@@ -5,6 +5,7 @@
     load_runs(paths)                   the records of record files, each file one study run (one trained
                                        target), every record tagged with its run (RUN_KEY, RUN_FILE_KEY)
     study_runs(records)                the records split by study run, newest first
+    run_names(runs)                    "DATE, DEVICE" per run, + its record file where two runs share it
     plot_study(records, path)          tau by context position on the far-dependency prompts, the same on the
                                        local prompts (every drafter a curve; several runs: a marker each),
                                        the target's accuracy by distance (a curve per run and dependency)
@@ -34,8 +35,8 @@ from ...outputs import pyplot, save_figure_atomic, write_text_atomic
 from .grid import DRAFTERS
 
 __all__ = ["EVAL_SETS", "RECIPE_BEGIN", "RECIPE_END", "REPORT_BEGIN", "REPORT_END", "RUN_FILE_KEY", "RUN_KEY",
-           "StudyRun", "drafter_names", "eval_path", "label", "load_runs", "plot_study", "run_identity", "span",
-           "study_records", "study_runs", "tables_markdown", "tau_records", "update_docs"]  # fmt: skip
+           "StudyRun", "drafter_names", "eval_path", "label", "load_runs", "plot_study", "run_identity", "run_names",
+           "span", "study_records", "study_runs", "tables_markdown", "tau_records", "update_docs"]  # fmt: skip
 
 #: eval set -> what its prompts are (the tables' titles)
 EVAL_SETS = {"far": "held-out prompts cut inside a far repeat (the continuation is copied from far back)",
@@ -144,6 +145,13 @@ def study_runs(records: list[dict]) -> list[StudyRun]:
     return sorted(runs, key=lambda run: run.date, reverse=True)  # a stable sort, reversed or not
 
 
+def run_names(runs: list[StudyRun]) -> list[str]:
+    """Each run's name ("DATE, DEVICE"), its record file's name added where two runs share one."""
+    names = [run.name for run in runs]
+    return [n if names.count(n) == 1 or run.file is None else f"{n}, {os.path.basename(run.file)}"
+            for n, run in zip(names, runs)]  # fmt: skip
+
+
 def _run_tags(runs: list[StudyRun]) -> list[str]:
     """Short names of runs for the plot's legend: month and day, and the file's name where two share them."""
     tags = [run.date[5:] if len(run.date) == 10 else run.date for run in runs]
@@ -220,10 +228,8 @@ def plot_study(records: list[dict], path: str) -> None:
     runs = study_runs(records)
     several = len(runs) > 1
     prefixes = [f"[{t}] " if several else "" for t in _run_tags(runs)]
-    # several runs: a legend too long to lie over the curves goes below its panel
-    legend = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.16)} if several else {}
     plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(16, 8 if several else 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     for ax, eval_set in zip(axes[:2], EVAL_SETS):
         for i, run in enumerate(runs):
             marker = _RUN_MARKERS[i % len(_RUN_MARKERS)] if several else "o"
@@ -232,10 +238,20 @@ def plot_study(records: list[dict], path: str) -> None:
         ax.set_ylabel("tau (tokens per verify step)")
         ax.set_title(f"tau by context position, {eval_set} continuations")
         ax.grid(True, alpha=0.3)
-        if ax.get_lines():
-            ax.legend(fontsize=6, **legend)
-        else:
+        if ax.get_lines() and not several:
+            ax.legend(fontsize=6)
+        elif not ax.get_lines():
             ax.text(0.5, 0.5, "drafters not evaluated yet", ha="center", va="center", transform=ax.transAxes)
+    bottom = 0.0
+    if several:  # one legend for both tau panels, below them: too long to lie over the curves
+        handles: dict[str, object] = {}
+        for ax in axes[:2]:
+            for handle, text in zip(*ax.get_legend_handles_labels()):
+                handles.setdefault(text, handle)
+        rows = -(-len(handles) // 2)
+        fig.set_size_inches(16, 4.5 + 0.17 * rows)
+        bottom = (0.17 * rows + 0.2) / (4.5 + 0.17 * rows)
+        fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=2, fontsize=7, frameon=False)
     ax2 = axes[2]
     for i, run in enumerate(runs):  # one color per run: its two dependencies' curves belong together
         _plot_accuracy(ax2, run.records, prefixes[i], f"C{i % 10}" if several else None)
@@ -246,8 +262,8 @@ def plot_study(records: list[dict], path: str) -> None:
     ax2.set_title("the target's long-range accuracy")
     ax2.grid(True, alpha=0.3)
     if ax2.get_lines():
-        ax2.legend(fontsize=8, **legend)
-    fig.tight_layout()
+        ax2.legend(fontsize=7, loc="lower left")
+    fig.tight_layout(rect=(0.0, bottom, 1.0, 1.0))
     save_figure_atomic(fig, path)
 
 
