@@ -8,7 +8,7 @@ deep into the context, where one trained on short sequences does not?
     python scripts/long_context_study.py --scale gpu --stage all --drafters swa-short,swa-short-then-long
     python scripts/long_context_study.py --scale gpu --stage report --docs docs/long_context.md
     python scripts/long_context_study.py --scale gpu --stage report --docs docs/long_context.md \
-        --from-records benchmarks/results/longctx_h200_2026-12-03.jsonl,benchmarks/results/longctx_h100_2026-12-07.jsonl
+        --from-records benchmarks/results/longctx_h200_2026-12-03.jsonl,benchmarks/results/longctx_h100_2026-12-07_b.jsonl
 
 Every stage is idempotent: it skips what its outputs already hold, and the target stage resumes its training.
 """

@@ -41,8 +41,6 @@ FAR_BUCKETS = ((16384, 32768), (32768, None))
 SHORT_BUCKET = (0, 4096)
 _NONE = [None] * len(FAR_BUCKETS)  # a drafter not evaluated: n/a at every far bucket
 
-_GRID = {d.name: d for d in DRAFTERS}
-
 
 def _tau_index(records: list[dict]) -> dict[tuple, float | None]:
     """(drafter, eval set, bucket start, bucket end) -> tau, of one run's records."""
@@ -80,7 +78,8 @@ def _bar(what: str, ratios: list[float | None], threshold: float) -> tuple[str |
 
 
 def _meets(vs_full: list, vs_arch: list, short_fractions: dict[str, float | None]) -> str:
-    """"yes", "no: <the failed conditions>" or "n/a: <what is missing>" of a two-stage drafter (PAYS_*)."""
+    """"yes", "no: <the failed conditions>" or "n/a: <what is missing>" of a drafter trained on the long
+    store (PAYS_*)."""
     checks = [_bar("vs full 4K", vs_full, PAYS_VS_FULL_4K), _bar("vs same-arch 4K", vs_arch, PAYS_VS_ARCH_4K)]
     checks += [_bar(f"{what} vs best 4K", [f], PAYS_SHORT_FRACTION) for what, f in short_fractions.items()]
     failed = [f for f, _ in checks if f]
@@ -100,7 +99,7 @@ def _recipe_rows(run: StudyRun, name_of_run: str) -> list[str]:
     far = {n: [tau.get((n, "far", *b)) for b in FAR_BUCKETS] for n in present}
     short = {n: {s: tau.get((n, s, *SHORT_BUCKET)) for s in EVAL_SETS} for n in present}
     fours = [_four_k(a) for a in ARCHS if _four_k(a) in present]
-    # the best 4K drafter per short bucket: the bar a two-stage drafter keeps its short context against
+    # the best 4K drafter per short bucket: the bar a long-store drafter keeps its short context against
     best = {s: max((v for n in fours if (v := short[n][s]) is not None), default=None) for s in EVAL_SETS}
     rows = []
     for arch in ARCHS:
