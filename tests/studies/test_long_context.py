@@ -127,6 +127,15 @@ def test_cpu_miniature_runs_every_stage(tmp_path):
     assert [(r["drafter"], r["state"], r["store"]) for r in rows] == [("swa-long", "init", "long"),
                                                                       ("swa-long", "trained", "long")]
     assert all(r["keys_seen"] <= scale.window - 1 and 0 < r["entropy_ratio"] <= 1 for r in rows)
+    (run / "store-long").rename(run / "store-long-off")  # neither store: one line naming both, no probe.json
+    (run / "probe.json").unlink()
+    none = subprocess.run([sys.executable, str(ROOT / "scripts" / "long_context_probe.py"), "--scale", "cpu", "--run",
+                           str(run), "--drafters", "swa-long"], env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert none.returncode != 0 and not (run / "probe.json").exists()
+    assert none.stderr.strip().splitlines()[-1] == f"--run: {run} has neither store-short/ nor store-long/ (run the " \
+        "study's capture stage)"
+    (run / "store-long-off").rename(run / "store-long")
     (run / "store-short-off").rename(run / "store-short")
     # idempotent: a second run of a stage skips what exists
     again = subprocess.run(cmd + ["--stage", "train", "--drafters", "swa-long"], env=env, capture_output=True,
