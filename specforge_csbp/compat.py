@@ -10,9 +10,12 @@ sides:
     (a drafter reads its target's hidden states and embeddings); ...
 
 The facts are the provenance the project already writes: a target's config hash (data.manifest.config_hash,
-recorded in every feature store), the drafter config (hidden size, vocabulary, target depth, target layer
+recorded in every feature store) and the fingerprint of its weights (data/fingerprint.py: two targets of one
+config - another fine-tune - are told apart; recorded in every feature store and, through it, in every
+plugin checkpoint and export), the drafter config (hidden size, vocabulary, target depth, target layer
 ids), a store's target layers and hidden size. A side that does not record a fact (a store imported
-without a target config) leaves it out of the comparison.
+without a target config, a store or checkpoint written before fingerprints, a target given as a hub name)
+leaves it out of the comparison.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ WHY = {
     "num_target_layers": "the drafter was built for a target of that depth",
     "target_layer_ids": "the drafter reads the hidden states of exactly these target layers",
     "target_config_sha256": "features, embeddings and LM head come from that target config",
+    "target_weights_sha256": "features, embeddings and LM head come from those weights: the same config with "
+    "other weights (another fine-tune or checkpoint) gives other hidden states",
 }
 
 
@@ -71,7 +76,7 @@ def check_pair(left: Side, right: Side, *, advice: str) -> None:
         b = right.facts[key]
         if a != b:
             why = f" ({WHY[key]})" if key in WHY else ""
-            shown_a, shown_b = (_short(a), _short(b)) if key.endswith("sha256") else (a, b)
+            shown_a, shown_b = (_short(key, a), _short(key, b)) if key.endswith("sha256") else (a, b)
             raise ValueError(
                 f"{left.name} and {right.name} do not belong together: {key} is {shown_a} in {left.label} but "
                 f"{shown_b} in {right.label}{why}; {advice}"
@@ -96,8 +101,9 @@ def check_disjoint(left: Side, left_manifest, right: Side, right_manifest, *, ad
         )
 
 
-def _short(digest: str) -> str:
-    return f"config sha256 {digest[:12]}"
+def _short(key: str, digest: str) -> str:
+    what = "weights fingerprint" if "weights" in key else "config sha256"
+    return f"{what} {digest[:12]}"
 
 
 def _text(config) -> Any:
@@ -107,17 +113,27 @@ def _text(config) -> Any:
     return config if isinstance(text, dict) else text
 
 
-def target_side(name: str, config) -> Side:
-    """A target model: its config (transformers) as the drafter and the stores see it."""
+def target_side(name: str, config, path: str | None = None) -> Side:
+    """A target model: its config (transformers) as the drafter and the stores see it; with `path` (its local
+    directory) also the fingerprint of its weights (None for a hub name or a directory without safetensors)."""
+    from .data.fingerprint import weights_fingerprint  # lazy: data/ starts torch
+
     text = _text(config)
     return Side(name, {
         "hidden_size": int(text.hidden_size), "vocab_size": int(text.vocab_size),
         "num_target_layers": int(text.num_hidden_layers), "target_config_sha256": config_hash(config),
+        "target_weights_sha256": weights_fingerprint(path),
     })  # fmt: skip
 
 
-def drafter_side(name: str, config) -> Side:
-    """A drafter: its config (a DFlashConfig, or the config.json mapping) - the target facts it was built for."""
+def drafter_side(name: str, config, trained_for: Mapping[str, Any] | None = None) -> Side:
+    """A drafter: its config (a DFlashConfig, or the config.json mapping) - the target facts it was built for;
+    `trained_for`: the target facts its checkpoint records (DrafterCheckpoint.trained_for)."""
+    side = _drafter_config_side(name, config)
+    return Side(name, {**side.facts, **(trained_for or {})})
+
+
+def _drafter_config_side(name: str, config) -> Side:
     if isinstance(config, Mapping):  # as written: top-level fields, dflash_config's layer ids
         dflash = config.get("dflash_config") or {}
         facts = {"hidden_size": config.get("hidden_size"), "vocab_size": config.get("vocab_size"),
@@ -136,6 +152,7 @@ def store_side(name: str, manifest) -> Side:
     return Side(name, {
         "hidden_size": int(manifest.hidden_size), "target_layer_ids": list(manifest.target_layer_ids),
         "target_config_sha256": manifest.target.config_sha256,
+        "target_weights_sha256": manifest.target.weights_sha256,
         "num_target_layers": manifest.target.num_hidden_layers,
     })  # fmt: skip
 
@@ -184,12 +201,18 @@ def read_target_config(path: str, field: str = "--target"):
         raise ValueError(f"{field}: {path} has no readable model config ({first})") from None
 
 
-def check_drafter_target(drafter_config, target_config, drafter: str, target: str) -> None:
-    """The drafter must read this target: the pair's facts agree, its target layers and mask token exist."""
+def check_drafter_target(
+    drafter_config, target_config, drafter: str, target: str, *, trained_for: Mapping[str, Any] | None = None,
+    target_path: str | None = None,
+) -> None:  # fmt: skip
+    """The drafter must read this target: the pair's facts agree (with `trained_for`, the checkpoint's record
+    of its target, and `target_path`, the target's directory: also its config hash and weights), its target
+    layers and mask token exist."""
     from .data.capture import check_target_layer_ids  # lazy: data.capture starts torch
 
     advice = "use the target the drafter was trained for, or a drafter trained for this target"
-    check_pair(drafter_side(drafter, drafter_config), target_side(target, target_config), advice=advice)
+    check_pair(drafter_side(drafter, drafter_config, trained_for), target_side(target, target_config, target_path),
+               advice=advice)  # fmt: skip
     text = _text(target_config)
     try:
         check_target_layer_ids(drafter_config.target_layer_ids, int(text.num_hidden_layers))

@@ -296,8 +296,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"capture: target {args.target} ({kind}), layers {layer_ids}, hidden {features.hidden_size}, "
           f"{args.dtype} on {args.device}")  # fmt: skip
     if args.save_target:
+        from ..data.fingerprint import weights_fingerprint  # lazy: reads the weights just written
+
         model.save_pretrained(args.save_target)
         tokenizer.save_pretrained(args.save_target)
+        if info.weights_sha256 is None:  # random weights: training names the saved copy as its target
+            info.weights_sha256 = weights_fingerprint(args.save_target)
     vocab = int(model.config.get_text_config().vocab_size)
     counts = _Counts()
 

@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # lazy: CLI start-up
-    from ..data.manifest import TargetInfo, config_hash
+    from ..data.manifest import TargetInfo, target_info
     from ..data.specforge_import import import_specforge_records
     from ..data.store import check_out_dir
 
@@ -60,10 +60,7 @@ def run(args: argparse.Namespace) -> int:
         config = AutoConfig.from_pretrained(args.target)
         text = config.get_text_config()
         hidden_size = int(text.hidden_size)
-        target = TargetInfo(
-            name=os.path.abspath(args.target), config_sha256=config_hash(config),
-            num_hidden_layers=int(text.num_hidden_layers),
-        )  # fmt: skip
+        target = target_info(args.target, config)
     else:
         hidden_size = args.hidden_size
         target = TargetInfo(name="unknown (imported from SpecForge records)")

@@ -1,6 +1,8 @@
 """Target-feature data for DFlash drafter training: the sharded feature store and how it is filled.
 
-    manifest.py         StoreManifest / SampleEntry (pydantic), hashing, atomic JSON writes
+    manifest.py         StoreManifest / SampleEntry (pydantic), hashing, atomic JSON writes, target_info
+    fingerprint.py      a target's weights in one digest (sampled values of every tensor): another fine-tune
+                        of the same config is told apart from the one the features came from
     store.py            FeatureStoreWriter, FeatureStore (size-checked open, parallel positioned interval reads
                         verified per chunk), SampleRows (a sample's rows, whole or piece by piece)
     checksums.py        per-chunk checksums of a sample file's rows (xxh3_64 / crc32), header parse, positioned reads

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .manifest import TargetInfo, config_hash
+from .manifest import target_info
 
 __all__ = ["TargetFeatures", "check_target_layer_ids", "has_weights", "load_target", "random_target"]
 
@@ -81,10 +81,7 @@ def load_target(
     if not os.path.exists(path):
         raise ValueError(f"target: {path} does not exist (give a checkpoint directory or a config.json)")
     config = AutoConfig.from_pretrained(path)
-    info = TargetInfo(
-        name=os.path.abspath(path), config_sha256=config_hash(config),
-        num_hidden_layers=config.get_text_config().num_hidden_layers,
-    )  # fmt: skip
+    info = target_info(path, config)
     config._attn_implementation = attn_implementation
     if has_weights(path):
         model = AutoModelForCausalLM.from_pretrained(

@@ -6,7 +6,7 @@
       samples/00000001.safetensors  input_ids     [L] int64
       ...                           loss_mask     [L] int64
 
-The manifest names the target (name + a hash of its config), the target layer ids whose hidden states are
+The manifest names the target (name, a hash of its config, a fingerprint of its weights), the target layer ids whose hidden states are
 concatenated on each row, the hidden size and the feature dtype; per sample it keeps the id, the relative
 file path, the length, the supervised-token count, the file size and its sha256, and the per-chunk
 checksums of its rows (checksums.py; absent in stores written before them, which readers check by sha256).
@@ -29,6 +29,7 @@ __all__ = [
     "StoreManifest",
     "TargetInfo",
     "config_hash",
+    "target_info",
 ]
 
 FORMAT = "specforge-csbp-feature-store/1"
@@ -45,6 +46,9 @@ class TargetInfo(BaseModel):
 
     name: str = Field(description="model path or hub name the features were captured from")
     config_sha256: str | None = Field(default=None, description="config_hash() of the target's config")
+    weights_sha256: str | None = Field(
+        default=None, description="weights_fingerprint() of the target's weights (data/fingerprint.py)"
+    )
     random_init_seed: int | None = Field(default=None, description="set when the target had random weights")
     num_hidden_layers: int | None = None
 
@@ -119,3 +123,17 @@ def config_hash(config: Any) -> str:
     data = {k: v for k, v in data.items() if k not in _VOLATILE_CONFIG_KEYS}
     blob = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str).encode()
     return hashlib.sha256(blob).hexdigest()
+
+
+def target_info(path: str, config: Any) -> TargetInfo:
+    """What a store records of the local target at `path` with transformers config `config`: its path, config
+    hash, depth and weights fingerprint (fingerprint.py; None for a directory without safetensors weights)."""
+    import os
+
+    from .fingerprint import weights_fingerprint  # lazy: reads the target's weight files
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return TargetInfo(
+        name=os.path.abspath(path), config_sha256=config_hash(config),
+        weights_sha256=weights_fingerprint(path), num_hidden_layers=int(text.num_hidden_layers),
+    )  # fmt: skip

@@ -318,6 +318,8 @@ def _resumable(root: str, new: StoreManifest) -> StoreManifest:
     if (
         old.target.config_sha256 != new.target.config_sha256
         or old.target.random_init_seed != new.target.random_init_seed
+        or (None not in (old.target.weights_sha256, new.target.weights_sha256)
+            and old.target.weights_sha256 != new.target.weights_sha256)
     ):
         raise ValueError(
             f"resume: the store at {root} was captured from a different target ({old.target.name})"

@@ -66,9 +66,14 @@ def load_eval_target(path: str, *, dtype: str, device: torch.device, seed: int =
     return model
 
 
-def check_pair(drafter_config, target_config, drafter: str = "--drafter", target: str = "--target") -> None:
-    """The drafter must read this target (compat.check_drafter_target: one check for every command)."""
-    check_drafter_target(drafter_config, target_config, drafter, target)
+def check_pair(
+    drafter_config, target_config, drafter: str = "--drafter", target: str = "--target", *,
+    trained_for: dict | None = None, target_path: str | None = None,
+) -> None:  # fmt: skip
+    """The drafter must read this target (compat.check_drafter_target: one check for every command);
+    `trained_for` / `target_path`: the target its checkpoint records, and the target's directory."""
+    check_drafter_target(drafter_config, target_config, drafter, target, trained_for=trained_for,
+                         target_path=target_path)  # fmt: skip
 
 
 def check_positions(prompts, max_new_tokens: int, block_size: int, target_config) -> None:

@@ -104,7 +104,7 @@ def store_prompts(
     root: str, split: str | None = None, limit: int | None = None, *, target: tuple[str, object] | None = None
 ) -> list[torch.Tensor]:
     """The store's prompts; `target` = (its --target path, its config): the store must have been captured
-    from that target (compat.check_pair on the config hash the manifest records), checked before decoding."""
+    from that target (compat.check_pair on the config hash and weights fingerprint the manifest records), checked before decoding."""
     if not os.path.exists(root):
         raise ValueError(f"--store: {root} does not exist")
     if not os.path.isdir(root):
@@ -113,7 +113,8 @@ def store_prompts(
         root, split = os.path.join(root, split), None
     store = FeatureStore(root, verify="trust")
     if target is not None:
-        check_pair(store_side(f"--store {root}", store.manifest), target_side(f"--target {target[0]}", target[1]),
+        check_pair(store_side(f"--store {root}", store.manifest),
+                   target_side(f"--target {target[0]}", target[1], target[0]),
                    advice="evaluate on prompts captured from this target, or give the store's target")  # fmt: skip
     ids = store.sample_ids if split is None else _split_ids(store, root, split)
     prompts = []

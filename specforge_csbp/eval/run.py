@@ -163,7 +163,8 @@ def prepare(options: EvalOptions) -> Prepared:
     target_config = load_target_config(options.target)
     drafter, ckpt = load_drafter(options.drafter, untrained=options.untrained, seed=options.seed, dtype=dtype,
                                  device=device)  # fmt: skip
-    check_pair(drafter.config, target_config, f"--drafter {options.drafter}", f"--target {options.target}")
+    check_pair(drafter.config, target_config, f"--drafter {options.drafter}", f"--target {options.target}",
+               trained_for=None if options.untrained else ckpt.trained_for, target_path=options.target)  # fmt: skip
     return Prepared(device, dtype, target_config, drafter, ckpt)
 
 

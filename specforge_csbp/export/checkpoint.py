@@ -50,6 +50,14 @@ class DrafterCheckpoint:
     def architecture(self) -> str:
         return self.config.architecture
 
+    @property
+    def trained_for(self) -> dict[str, Any]:
+        """The target facts this drafter was trained for (compat's names), as far as its checkpoint records
+        them: a plugin checkpoint and its exports do (`csbp_target`), other drafters do not ({})."""
+        target = self.extra.get("csbp_target") or {}
+        return {"target_config_sha256": target.get("config_sha256"),
+                "target_weights_sha256": target.get("weights_sha256")}  # fmt: skip
+
 
 def _latest_specforge_state(root: str, field: str = "CHECKPOINT") -> str | None:
     states = sorted({os.path.realpath(p) for p in glob.glob(os.path.join(glob.escape(root), "*-latest"))})
@@ -143,6 +151,8 @@ def _load_specforge(path: str, field: str = "CHECKPOINT") -> DrafterCheckpoint:
         )
     config = _config_from_dict(json.loads(state["csbp_draft_config"]), path, field)
     extra = {k: state[k] for k in ("csbp_algorithm", "csbp_objective", "run_id", "world_size") if k in state}
+    if isinstance(state.get("csbp_target"), str):
+        extra["csbp_target"] = json.loads(state["csbp_target"])
     return DrafterCheckpoint(
         source=path, kind="specforge", config=config, state_dict=state["draft_state_dict"], strategy=strategy,
         global_step=int(state.get("global_step", 0)), extra=extra,
@@ -180,7 +190,22 @@ def _load_pretrained(path: str, field: str = "CHECKPOINT") -> DrafterCheckpoint:
     else:
         source = os.path.join(path, "model.safetensors")
         state = _safetensors(source, field)
-    return DrafterCheckpoint(source=source, kind="pretrained", config=config, state_dict=state)
+    return DrafterCheckpoint(source=source, kind="pretrained", config=config, state_dict=state,
+                             extra=_exported_target(path))  # fmt: skip
+
+
+def _exported_target(path: str) -> dict[str, Any]:
+    """{'csbp_target': ...} from an export's provenance.json (export/writer.py copies the checkpoint's), or {}."""
+    provenance = os.path.join(path, "provenance.json")
+    if not os.path.isfile(provenance):
+        return {}
+    try:
+        with open(provenance, encoding="utf-8") as f:
+            source = json.load(f).get("source") or {}
+    except (OSError, ValueError, AttributeError):  # provenance is a record, not an input: unreadable = absent
+        return {}
+    target = source.get("csbp_target") if isinstance(source, dict) else None
+    return {"csbp_target": target} if isinstance(target, dict) else {}
 
 
 def _read(path: str, field: str) -> DrafterCheckpoint:

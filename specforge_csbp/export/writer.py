@@ -148,7 +148,7 @@ def export_drafter(
     ckpt = load_checkpoint(checkpoint)
     if target is not None:  # the serve commands name it: it must be the target this drafter reads
         check_drafter_target(ckpt.config, read_target_config(target, "--target"), f"CHECKPOINT {checkpoint}",
-                             f"--target {target}")  # fmt: skip
+                             f"--target {target}", trained_for=ckpt.trained_for, target_path=target)  # fmt: skip
     declared = target_dtype(target)
     if dtype is not None:
         dtype_name, dtype_source = dtype, "--dtype"

@@ -23,7 +23,14 @@ from ..errors import load_json
 from ..export.checkpoint import load_drafter_state
 from ..preflight import check_finite_tensors
 
-__all__ = ["check_resume_config", "check_warm_start", "first_difference", "saved_draft_config"]
+__all__ = [
+    "check_resume_config",
+    "check_resume_target",
+    "check_warm_start",
+    "first_difference",
+    "saved_draft_config",
+    "saved_state_has",
+]
 
 # fields that do not change the drafter's function or shapes
 _IGNORED = {"transformers_version", "_name_or_path", "_attn_implementation_autoset", "torch_dtype", "dtype",
@@ -60,14 +67,10 @@ def _state_file(path: str) -> str | None:
     return state if os.path.isfile(state) else None
 
 
-def saved_draft_config(path: str) -> dict | None:
-    """The drafter config a checkpoint was trained with, or None when it keeps none this can read."""
+def _saved_state(path: str) -> dict | None:
+    """A SpecForge checkpoint's training_state (memory-mapped), or None where `path` names none."""
     import torch
 
-    local = os.path.abspath(os.path.expanduser(path.removeprefix("file://")))
-    config = os.path.join(local, "config.json") if os.path.isdir(local) else None
-    if config and os.path.isfile(config) and not os.path.isfile(os.path.join(local, "training_state.pt")):
-        return load_json(config, "model.draft_checkpoint_path")
     state_file = _state_file(path)
     if state_file is None:
         return None
@@ -75,7 +78,23 @@ def saved_draft_config(path: str) -> dict | None:
         state = torch.load(state_file, map_location="cpu", weights_only=False, mmap=True)
     except Exception as err:  # noqa: BLE001 - a damaged file: one line naming it
         raise ValueError(f"checkpoint {state_file} cannot be read: {str(err).splitlines()[0]}") from None
-    text = state.get("csbp_draft_config") if isinstance(state, dict) else None
+    return state if isinstance(state, dict) else None
+
+
+def saved_state_has(path: str, key: str) -> bool | None:
+    """Whether the SpecForge checkpoint at `path` records `key` (None: no such checkpoint to read)."""
+    state = _saved_state(path)
+    return None if state is None else key in state
+
+
+def saved_draft_config(path: str) -> dict | None:
+    """The drafter config a checkpoint was trained with, or None when it keeps none this can read."""
+    local = os.path.abspath(os.path.expanduser(path.removeprefix("file://")))
+    config = os.path.join(local, "config.json") if os.path.isdir(local) else None
+    if config and os.path.isfile(config) and not os.path.isfile(os.path.join(local, "training_state.pt")):
+        return load_json(config, "model.draft_checkpoint_path")
+    state = _saved_state(path)
+    text = state.get("csbp_draft_config") if state is not None else None
     return json.loads(text) if isinstance(text, str) else None
 
 
@@ -115,3 +134,21 @@ def check_resume_config(path: str, draft: dict) -> None:
     _check(path, "training.resume_from", draft,
            "resume with the drafter config the checkpoint was trained with, or start a new run")  # fmt: skip
     _check_finite_resume(path)
+
+
+def check_resume_target(path: str, current: str) -> None:
+    """A resumed drafter must keep training for the target it was trained for: its checkpoint's `csbp_target`
+    (registry.trained_target) against this run's (a checkpoint written before targets were recorded: not
+    compared)."""
+    state = _saved_state(path)
+    saved = state.get("csbp_target") if state is not None else None
+    if not isinstance(saved, str) or saved == current:
+        return
+    was, now = json.loads(saved), json.loads(current)
+    for key, what in (("config_sha256", "config sha256"), ("weights_sha256", "weights fingerprint")):
+        if None not in (was.get(key), now.get(key)) and was[key] != now[key]:
+            raise ValueError(
+                f"training.resume_from: its drafter was trained for a target with {what} {was[key][:12]}, this "
+                f"run's target has {now[key][:12]}; resume with the target and feature store it was trained "
+                "on, or start a new run"
+            )

@@ -23,6 +23,7 @@ import sys
 import torch
 
 from ..compat import check_disjoint, check_pair, drafter_side, read_target_config, store_side, target_side
+from ..data.fingerprint import weights_fingerprint
 from ..data.manifest import config_hash
 from ..data.store import FeatureStore
 from ..distributed import relay
@@ -30,10 +31,10 @@ from ..errors import is_user_error, load_json, one_line
 from ..outputs import naming_full_disk
 from ..preflight import check_flex_backend_on_cpu, check_local_path, check_store_trainable, check_writable_dir
 from .arguments import add_train_arguments
-from .checkpoints import check_resume_config, check_warm_start
+from .checkpoints import check_resume_config, check_resume_target, check_warm_start
 from .data import check_store_path
 from .options import PreparedRun, prepare_run
-from .registry import plugin_registry
+from .registry import plugin_registry, trained_target
 
 __all__ = ["TORCHRUN_PREFIX", "WORKER_PREFIX", "add_train_arguments", "preflight", "run", "train_main"]
 
@@ -106,6 +107,7 @@ def preflight(prepared: PreparedRun) -> None:
             check_warm_start(cfg.model.draft_checkpoint_path, draft)
         if cfg.training.resume_from:
             check_resume_config(cfg.training.resume_from, draft)
+            check_resume_target(cfg.training.resume_from, trained_target(cfg))
 
 
 def _check_store_fits(field: str, manifest, draft: dict | None) -> None:
@@ -134,19 +136,36 @@ def _check_eval_store(train_path: str, train, eval_path: str, held) -> None:
 
 
 def _check_target(target_path: str, manifest, field: str = "data.hidden_states_path") -> None:
-    """The target's config must be the one the store was captured from (hash of its config.json)."""
-    if manifest.target.config_sha256 is None or not target_path or not os.path.exists(target_path):
+    """The target must be the one the store was captured from: the hash of its config, then the fingerprint
+    of its weights (data/fingerprint.py: another fine-tune of the same config gives other features)."""
+    if not target_path or not os.path.exists(target_path):
         return  # a hub name: resolved (and checked) in the workers
-    from transformers import AutoConfig
+    if manifest.target.config_sha256 is not None:
+        from transformers import AutoConfig
 
-    try:
-        config = AutoConfig.from_pretrained(target_path)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"model.target_model_path: cannot read the config of {target_path} ({err})") from None
-    if config_hash(config) != manifest.target.config_sha256:
+        try:
+            config = AutoConfig.from_pretrained(target_path)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"model.target_model_path: cannot read the config of {target_path} ({err})") from None
+        if config_hash(config) != manifest.target.config_sha256:
+            raise ValueError(
+                f"model.target_model_path={target_path}: its config is not the one the feature store "
+                f"({field}) was captured from ({manifest.target.name}); use that target or recapture"
+            )
+    _check_target_weights(target_path, manifest, field)
+
+
+def _check_target_weights(target_path: str, manifest, field: str) -> None:
+    recorded = manifest.target.weights_sha256
+    if recorded is None:
+        return  # a store written before fingerprints, or imported without --target: config only
+    found = weights_fingerprint(target_path)
+    if found is not None and found != recorded:
         raise ValueError(
-            f"model.target_model_path={target_path}: its config is not the one the feature store "
-            f"({field}) was captured from ({manifest.target.name}); use that target or recapture"
+            f"model.target_model_path={target_path}: its weights are not the ones the feature store ({field}) "
+            f"was captured from ({manifest.target.name}; weights fingerprint {found[:12]} here, {recorded[:12]} "
+            "in the store): the same config with other weights gives other hidden states; use that target or "
+            "recapture"
         )
 
 

@@ -41,7 +41,7 @@ from .drafts import CSBP_DFLASH_KEY, DFLASH2_KEY, register_drafts, to_dflash_con
 from .options import CSBPOptions, attention_options, compiles_drafter
 from .training_model import CSBPDrafterTrainingModel
 
-__all__ = ["ALGORITHMS", "algorithm_spec", "plugin_registrations", "plugin_registry"]
+__all__ = ["ALGORITHMS", "algorithm_spec", "plugin_registrations", "plugin_registry", "trained_target"]
 
 #: name -> (draft registry key, architectures accepted in the draft config, exported architecture)
 ALGORITHMS = {
@@ -249,16 +249,38 @@ def draft_config_json(config) -> str:
     return json.dumps(data, sort_keys=True, default=str)
 
 
+def trained_target(cfg) -> str:
+    """JSON of the target this run's drafter is trained for: the config hash and weights fingerprint the
+    feature store recorded (the features' source; preflight checked model.target_model_path against them),
+    the fingerprint of model.target_model_path where the store has none. Saved in every checkpoint
+    (`csbp_target`) and copied into every export's provenance, so export and eval compare a drafter with the
+    target they are given (compat.check_drafter_target)."""
+    from ..data.fingerprint import weights_fingerprint  # lazy: reads the target's weight files
+
+    target = FeatureStore(cfg.data.hidden_states_path, verify="trust").manifest.target
+    weights = target.weights_sha256 or weights_fingerprint(cfg.model.target_model_path)
+    return json.dumps({"config_sha256": target.config_sha256, "weights_sha256": weights}, sort_keys=True)
+
+
 def resume_contract(name: str, cfg, draft_model, training_model) -> dict[str, Any]:
     """What a checkpoint must agree on to resume (the layout - cp size, dp replicas - may change)."""
+    from .checkpoints import saved_state_has  # lazy: reads the resumed checkpoint
+
     objective = training_model.objective
-    return {
+    contract = {
         "csbp_algorithm": name,
         "csbp_draft_config": draft_config_json(draft_model.config),
         "csbp_objective": json.dumps(
             {k: getattr(objective, k) for k in objective.__dataclass_fields__}, sort_keys=True
         ),
+        "csbp_target": trained_target(cfg),
     }
+    resumed = cfg.training.resume_from
+    if resumed and saved_state_has(resumed, "csbp_target") is False:
+        # a checkpoint written before the target was recorded: SpecForge would refuse a contract key the
+        # checkpoint lacks, so such a run resumes as it was written (its exports carry no target to compare)
+        del contract["csbp_target"]
+    return contract
 
 
 def plugin_registrations(options: CSBPOptions | None = None):

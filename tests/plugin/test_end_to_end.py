@@ -103,6 +103,12 @@ def test_specforge_train_csbp_then_sglang_export(tmp_path):
     provenance = json.loads((out / "provenance.json").read_text())
     assert provenance["source"]["sha256"] == file_sha256(ckpt.source)
     assert provenance["source"]["strategy"] == "dflash2-csbp" and provenance["files"]["model.safetensors"]
+    # the drafter carries the target it was trained for: the saved target's weights, as the store recorded them
+    from specforge_csbp.data.fingerprint import weights_fingerprint
+
+    captured = json.loads((tmp_path / "store" / "manifest.json").read_text())["target"]
+    assert captured["weights_sha256"] == weights_fingerprint(str(tmp_path / "target")) is not None
+    assert provenance["source"]["csbp_target"] == {k: captured[k] for k in ("config_sha256", "weights_sha256")}
 
     trained = DFlash2DraftModel(ckpt.config)
     trained.load_state_dict(ckpt.state_dict)

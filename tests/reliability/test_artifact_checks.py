@@ -74,9 +74,10 @@ def _fails(capsys, argv, *expected) -> str:
     return err
 
 
-def _store(root, sha, ids=("a", "b"), records=None):
-    """A feature store of the tiny target's layers 1, 3 (hidden 64) captured from a config hashing to `sha`."""
-    info = TargetInfo(name="t", config_sha256=sha, num_hidden_layers=6)
+def _store(root, sha, ids=("a", "b"), records=None, weights=None):
+    """A feature store of the tiny target's layers 1, 3 (hidden 64) captured from a config hashing to `sha`
+    (and weights fingerprinted `weights`)."""
+    info = TargetInfo(name="t", config_sha256=sha, weights_sha256=weights, num_hidden_layers=6)
     with FeatureStoreWriter(str(root), target=info, target_layer_ids=[1, 3], hidden_size=64,
                             dtype="float32", overwrite=True) as w:  # fmt: skip
         for i, sid in enumerate(ids):
@@ -237,6 +238,110 @@ def test_the_drafter_launcher_checks_the_eval_store_before_any_worker(case, tmp_
     }[case]  # fmt: skip
     assert expected in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", ["train", "resume", "export", "eval-export", "eval-checkpoint", "eval-store",
+                                  "capture-resume"])  # fmt: skip
+def test_a_target_of_the_same_config_with_other_weights_is_named_wherever_it_meets_its_artifacts(
+    art, case, capsys, tmp_path
+):
+    """Another fine-tune of one config passes every config check: the weights fingerprint (data/fingerprint.py)
+    recorded in the store, the plugin checkpoint and the export tells it apart, at every command."""
+    from specforge_csbp.data.fingerprint import weights_fingerprint
+
+    other = tmp_path / "other_weights"  # the tiny target's config, seed 1's weights
+    materialize_tiny_target(str(other), seed=1)
+    capsys.readouterr()  # its save's progress bar
+    ours, theirs = weights_fingerprint(str(art / "target")), weights_fingerprint(str(other))
+    assert None not in (ours, theirs) and ours != theirs
+    target_record = json.dumps({"config_sha256": _tiny_sha(), "weights_sha256": ours}, sort_keys=True)
+    said = f"weights fingerprint {ours[:12]}"
+    if case == "train":  # the launcher, before any worker: store captured from `target`, run names `other`
+        from specforge_csbp.plugin.launch import train_main
+        from tests.reliability.test_mechanisms import _run_config
+
+        _store(tmp_path / "store", _tiny_sha(), weights=ours)
+        path = _run_config(tmp_path, model={"target_model_path": str(other)})
+        assert train_main(["--csbp", "-c", path, "--plan"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1, err
+        assert (f"model.target_model_path={other}: its weights are not the ones the feature store "
+                f"(data.hidden_states_path) was captured from (t; weights fingerprint {theirs[:12]} here, "
+                f"{ours[:12]} in the store)") in err, err  # fmt: skip
+        assert not (tmp_path / "out").exists()
+        return
+    if case == "capture-resume":
+        out = tmp_path / "s"
+        assert main([*CAPTURE, "--target", str(art / "target"), "--data", str(art / "data.jsonl"), "--out",
+                     str(out)]) == 0  # fmt: skip
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["target"]["weights_sha256"] == ours
+        capsys.readouterr()
+        _fails(capsys, [*CAPTURE, "--target", other, "--data", art / "data.jsonl", "--out", out, "--resume"],
+               f"resume: the store at {out} was captured from a different target")  # fmt: skip
+        return
+    if case == "eval-store":
+        store = _store(tmp_path / "store", _tiny_sha(), weights=ours)
+        _fails(capsys, [*EVAL, "--drafter", art / "drafter", "--target", other, "--store", store],
+               f"--store {store} and --target {other} do not belong together: target_weights_sha256 is {said} "
+               "in --store")  # fmt: skip
+        return
+    draft = json.loads((art / "drafter" / "config.json").read_text())
+    checkpoint = tmp_path / "run-step2"  # a plugin checkpoint of a drafter trained for `target`
+    checkpoint.mkdir()
+    torch.save({"strategy": "dflash2", "csbp_draft_config": json.dumps(draft), "global_step": 2,
+                "draft_state_dict": load_file(str(art / "drafter" / "model.safetensors")),
+                "csbp_target": target_record}, checkpoint / "training_state.pt")  # fmt: skip
+    if case == "resume":
+        from types import SimpleNamespace
+
+        from specforge_csbp.objectives.dflash import DFlashObjective
+        from specforge_csbp.plugin.checkpoints import check_resume_target
+        from specforge_csbp.plugin.registry import resume_contract
+
+        check_resume_target(str(checkpoint), target_record)  # its own target: accepted
+        mine = json.dumps({"config_sha256": _tiny_sha(), "weights_sha256": theirs}, sort_keys=True)
+        with pytest.raises(ValueError, match=rf"^training.resume_from: its drafter was trained for a target with "
+                                             rf"weights fingerprint {ours[:12]}, this run's target has {theirs[:12]}"):
+            check_resume_target(str(checkpoint), mine)
+        # what a run saves: the store's record of its target (the contract SpecForge writes into each checkpoint)
+        _store(tmp_path / "store", _tiny_sha(), weights=ours)
+        cfg = SimpleNamespace(data=SimpleNamespace(hidden_states_path=str(tmp_path / "store")),
+                              model=SimpleNamespace(target_model_path=str(other)),
+                              training=SimpleNamespace(resume_from=None))  # fmt: skip
+        parts = (SimpleNamespace(config=SimpleNamespace(to_dict=lambda: draft)),
+                 SimpleNamespace(objective=DFlashObjective(num_anchors=4)))  # fmt: skip
+        assert resume_contract("dflash2", cfg, *parts)["csbp_target"] == target_record
+        cfg.training.resume_from = str(checkpoint)
+        assert resume_contract("dflash2", cfg, *parts)["csbp_target"] == target_record
+        # a checkpoint written before targets were recorded resumes as written: SpecForge refuses a contract
+        # key its checkpoint lacks, so the key is left out of the contract (and of the checkpoints it writes)
+        state = torch.load(checkpoint / "training_state.pt", weights_only=False)
+        del state["csbp_target"]
+        torch.save(state, checkpoint / "training_state.pt")
+        check_resume_target(str(checkpoint), mine)  # nothing to compare
+        assert "csbp_target" not in resume_contract("dflash2", cfg, *parts)
+        return
+    if case == "export":
+        _fails(capsys, ["export", "--to", "sglang", checkpoint, tmp_path / "x", "--target", other],
+               f"CHECKPOINT {checkpoint} and --target {other} do not belong together: target_weights_sha256 is "
+               f"{said} in CHECKPOINT but weights fingerprint {theirs[:12]} in --target")  # fmt: skip
+        assert not (tmp_path / "x").exists()
+        return
+    drafter = checkpoint
+    if case == "eval-export":  # the export carries the checkpoint's record into provenance.json
+        drafter = tmp_path / "exported"
+        assert main(["export", "--to", "sglang", str(checkpoint), str(drafter), "--target", str(art / "target")]) == 0
+        provenance = json.loads((drafter / "provenance.json").read_text())
+        assert provenance["source"]["csbp_target"] == json.loads(target_record)
+        capsys.readouterr()
+    _fails(capsys, [*EVAL, "--drafter", drafter, "--target", other, "--prompts", art / "prompts.jsonl", "--out",
+                    tmp_path / "e.json"],  # fmt: skip
+           f"--drafter {drafter} and --target {other} do not belong together: target_weights_sha256 is {said}")
+    assert not (tmp_path / "e.json").exists()
+    # its own target: evaluated
+    assert main([*EVAL, "--drafter", str(drafter), "--target", str(art / "target"), "--prompts",
+                 str(art / "prompts.jsonl"), "--out", str(tmp_path / "e.json")]) == 0  # fmt: skip
 
 
 # -- class 3: outputs checked before the work that fills them ------------------------------------------------
