@@ -38,14 +38,18 @@ sample: one rank reads every row); `read_gbps_needed`: that over the first-pass 
 cold sequential read of a sample file in the same launch, `disk_read_gbps_parallel`: the same file read cold by
 8 threads at once (the disk at queue depth); `read_bound`: cold, and the step needs more than
 the disk gives. --store-verify lazy,trust runs the plugin with the store's per-chunk checks on and off in the
-same launch (`store_verify`; the check-off record's workload ends in -store-trust, a warm-cache one's in -warm-cache).
+same launch (`store_verify`; a record's workload names its page cache, -cold-cache or -warm-cache, and the
+check-off record's ends in -store-trust).
 
 What is measured is what the trainers log themselves: both run SpecForge's TrainerController, which prints
 `step N: {...}` per optimizer step (training.log_interval 1) with perf/optimizer_step_time_s (wall time of
 the step's window: data, compute, logging, acks), perf/data_wait_time_s and perf/train_compute_time_s
 (forward + backward + optimizer step). Each trainer's final checkpoint is skipped (after the last step;
 --checkpoint keeps it). Neither trainer logs memory: a child wrapper around each trainer's own entry point
-writes torch.cuda.max_memory_allocated() (CPU: peak RSS) when it exits.
+writes torch.cuda.max_memory_allocated() (CPU: peak RSS) when it exits. The GPU's free memory as each
+trainer starts is recorded (`gpu_free_gib`: this process gives back what generating the data took, so a
+launch finds the whole device), and the plugin's start-up choice of keeping its logits (`keep_logits`:
+kept / recomputed, sized from that free memory; docs/performance.md, "csbp.keep_logits_gib by default").
 
 Each trainer's step broken down (record field `breakdown_ms`, per optimizer step; needs --profile-steps):
 
@@ -65,8 +69,8 @@ The profile is SpecForge's own window (`profiling.enabled`, its StepProfiler), o
 Records (design.md section 8): workload "trainer-<config file name>" (a DFlash2 file trained with
 --no-dflash2: "-as-dflash" added; `trained_config` names it), modes "specforge" and "csbp", world_size 1,
 `tokens_per_s` = supervised tokens (anchors x (block size - 1)) per second; extras: the fields above,
-data_wait_ms, train_compute_ms, steps_ms (every step), timed_steps, peak_reserved_gib, breakdown_ms,
-host_syncs_per_step, item_calls_per_step, gpu_kernels_ms.
+data_wait_ms, train_compute_ms, steps_ms (every step), timed_steps, peak_reserved_gib, gpu_free_gib,
+keep_logits, breakdown_ms, host_syncs_per_step, item_calls_per_step, gpu_kernels_ms.
 """
 
 from __future__ import annotations
@@ -242,15 +246,41 @@ def import_store(config, records: str, store: str, target: str, *, delete_record
     8 samples of 64K for the 27B shape are 27 GB each way)."""
     from transformers import AutoConfig
 
-    from specforge_csbp.data.manifest import TargetInfo, config_hash
+    from specforge_csbp.data.manifest import target_info
     from specforge_csbp.data.specforge_import import import_specforge_records
 
-    tcfg = AutoConfig.from_pretrained(target)
-    info = TargetInfo(name=os.path.abspath(target), config_sha256=config_hash(tcfg),
-                      num_hidden_layers=int(tcfg.num_hidden_layers))  # fmt: skip
+    info = target_info(target, AutoConfig.from_pretrained(target))
     import_specforge_records(records, store, target_layer_ids=list(config.dflash["target_layer_ids"]),
                              hidden_size=int(config.hidden_size), target=info, overwrite=True,
                              after_each=os.remove if delete_records else None)  # fmt: skip
+
+
+def release_gpu(device) -> None:
+    """Give the GPU memory that generating the data took back to the device: the trainers run beside this
+    process, and a plugin launch sizes `csbp.keep_logits_gib` from the GPU's free memory (the cached blocks
+    of a 64K sample's generation, 16 GiB held here, once made it recompute its logits on an H100)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def gpu_free_gib(device) -> float | None:
+    """The device's free memory as a trainer launched now finds it (every process's allocations counted)."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return round(free / 2**30, 2)
+
+
+def keep_logits_choice(log: str) -> str | None:
+    """'kept' / 'recomputed' from the plugin's start-up line (`csbp.keep_logits_gib auto -> ...`); None where
+    the log has none (stock SpecForge, or the value given)."""
+    found = re.search(r"csbp\.keep_logits_gib auto -> .*\b(kept|recomputed)\)", log)
+    return found.group(1) if found else None
 
 
 def feature_dtype(device):
@@ -498,7 +528,7 @@ def make_record(args, mode, length, block_size, log, peak, rc, device_name, name
     firsts = _step_s(metrics, epoch_first_steps(args))
     ms = lambda xs: round(statistics.median(xs) * 1e3, 2) if xs else None  # noqa: E731
     workload = f"trainer-{name}" + (f"-batch{args.batch_size}" if args.batch_size > 1 else "")
-    workload += ("-warm-cache" if args.cache == "warm" else "") + ("-store-trust" if verify == "trust" else "")
+    workload += f"-{args.cache}-cache" + ("-store-trust" if verify == "trust" else "")
     record = dict(
         workload=workload, mode=mode, world_size=1, context_len=length, block_size=block_size,
         device=device_name, date=datetime.date.today().isoformat(), code=library_digest(),
@@ -512,7 +542,7 @@ def make_record(args, mode, length, block_size, log, peak, rc, device_name, name
         left_out_steps=list(range(1, args.warmup + 1)), left_out_reason=LEFT_OUT_REASON,
         profiled_steps=list(range(args.steps - args.profile_steps + 1, args.steps + 1)),
         page_cache=args.cache, cache_prepared_by=cache, store_verify=verify if mode == "csbp" else None,
-        epoch_first_step_ms=ms(firsts),
+        epoch_first_step_ms=ms(firsts), keep_logits=keep_logits_choice(log),
         steps_ms=[round(float(_metric(metrics[s], "perf/optimizer_step_time_s") or 0) * 1e3, 2) for s in sorted(metrics)],
         status="ok",
     )  # fmt: skip
@@ -631,6 +661,8 @@ def main(argv=None) -> int:
         shutil.rmtree(store, ignore_errors=True)
         began = time.perf_counter()
         write_records(config, records, length, args.samples, generator, device)
+        del generator
+        release_gpu(device)
         print(f"trainer_bench: target and {args.samples} records written in {time.perf_counter() - began:.0f} s", flush=True)
         with open(stamp_path, "w") as f:
             json.dump(stamp, f)
@@ -652,11 +684,12 @@ def main(argv=None) -> int:
             run = run_config(args, mode, work, draft, data, length, on_gpu, dflash2=config.is_dflash2)
             run["output_dir"] = os.path.join(work, run_name(mode, verify), "output")
             cache = prepare_cache(args, data_files(data))
+            free_gib = gpu_free_gib(device)
             log, peak, rc, wall_s = launch(args, mode, run, work, verify)
             trace = newest_trace(run["output_dir"]) if args.profile_steps else None
             record = make_record(args, mode, length, block_size, log, peak, rc, device_name, name, trace,
                                  verify=verify, cache=cache, data_bytes_per_step=per_step, disk_gbps=disk_gbps)  # fmt: skip
-            record["launch_s"] = round(wall_s, 1)
+            record.update(launch_s=round(wall_s, 1), gpu_free_gib=free_gib)
             write(args.out, record)
             if trace is not None and args.trace_dir and os.path.getsize(trace) <= TRACE_LIMIT_BYTES:
                 os.makedirs(args.trace_dir, exist_ok=True)

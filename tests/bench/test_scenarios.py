@@ -186,5 +186,5 @@ def test_the_headline_rows_each_name_the_scenario_that_reruns_them():
     # a run's own `reproduces` names the workloads that run measures; the scenario's holds for the rest
     first_pass = scenarios["trainer-64k-first-pass"].runs
     assert "trainer-qwen3.6-27b-dflash-warm-cache" in first_pass[0].reproduces
-    assert first_pass[1].reproduces == ("trainer-qwen3.6-27b-dflash",)
+    assert first_pass[1].reproduces == ("trainer-qwen3.6-27b-dflash-cold-cache", "trainer-qwen3.6-27b-dflash")
     assert scenarios["trainer-64k-vs-specforge"].runs[0].reproduces == ("trainer-qwen3.6-27b-dflash2-as-dflash",)

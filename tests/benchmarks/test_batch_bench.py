@@ -55,8 +55,8 @@ def test_short_batch_against_long_sample_through_the_trainer(tmp_path, capsys):
     assert sorted(recs) == [1, 4]
     long, short = recs[1], recs[4]
     assert (
-        long["workload"] == "trainer-quickstart_drafter-as-dflash"
-        and short["workload"] == "trainer-quickstart_drafter-as-dflash-batch4"
+        long["workload"] == "trainer-quickstart_drafter-as-dflash-cold-cache"
+        and short["workload"] == "trainer-quickstart_drafter-as-dflash-batch4-cold-cache"
     )
     assert (
         long["context_len"] == 512 and short["context_len"] == 128 and long["mode"] == short["mode"] == "csbp"

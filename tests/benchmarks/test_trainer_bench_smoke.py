@@ -67,6 +67,15 @@ def test_bad_arguments_name_the_flag():
                                   "--warmup", "2", "--profile-steps", "1"])  # fmt: skip
 
 
+def test_the_plugins_keep_logits_choice_is_read_from_its_start_up_line():
+    gpu = ("specforge-csbp: csbp.keep_logits_gib auto -> 0.0 GiB (free 62.3 GiB, predicted step 51.1 GiB, this "
+           "rank's logits 3.6 GiB: recomputed)\nstep 1: {}")  # fmt: skip
+    assert trainer_bench.keep_logits_choice(gpu) == "recomputed"
+    assert trainer_bench.keep_logits_choice(gpu.replace("0.0 GiB", "17.9 GiB").replace("recomputed", "kept")) == "kept"
+    assert trainer_bench.keep_logits_choice("specforge-csbp: csbp.keep_logits_gib auto -> 0 (no GPU: recomputed)") == "recomputed"
+    assert trainer_bench.keep_logits_choice("step 1: {'loss': 1.0}") is None  # stock SpecForge: no such line
+
+
 def test_first_and_later_pass_steps():
     """8 samples, 2 passes, steps 1-2 compile, 2 profiled: the first pass is steps 3-8, the later pass 10-14
     (9 starts an epoch, 15-16 are profiled)."""
@@ -101,7 +110,7 @@ def test_both_trainers_on_identical_bytes(tmp_path):
     for (mode, verify), r in recs.items():
         folder = trainer_bench.run_name(mode, verify or "lazy")
         assert r["status"] == "ok" and r["block_size"] == 4 and r["trained_config"] == "quickstart_drafter-as-dflash"
-        assert r["workload"] == "trainer-quickstart_drafter-as-dflash" + ("-store-trust" if verify == "trust" else "")
+        assert r["workload"] == "trainer-quickstart_drafter-as-dflash-cold-cache" + ("-store-trust" if verify == "trust" else "")
         assert r["world_size"] == 1 and r["context_len"] == 256 and r["timed_steps"] == 2
         # the trainer's own log: step 1 compiles, 2-3 are the first pass, 4 starts the second, 5 is the later
         # pass's one timed step, 6 is profiled
@@ -126,6 +135,9 @@ def test_both_trainers_on_identical_bytes(tmp_path):
         best = max(r["disk_read_gbps"], r["disk_read_gbps_parallel"])
         assert r["disk_read_gbps"] > 0 and r["disk_read_gbps_parallel"] > 0 and r["read_bound"] == (r["read_gbps_needed"] > best)
         assert r["peak_mem_gib"] > 0
+        # no GPU: no free memory to record, and the plugin recomputes its logits (its start-up line says so)
+        assert r.get("gpu_free_gib") is None  # (a record leaves out what is None)
+        assert r.get("keep_logits") == ("recomputed" if mode == "csbp" else None)
         b = r["breakdown_ms"]
         assert set(b) == {"data", "forward_backward", "optimizer", "host_syncs", "logging"}
         assert b["optimizer"] > 0 and b["forward_backward"] > 0
@@ -172,4 +184,4 @@ def test_a_dflash2_drafter_trains_under_csbp_and_stock_is_refused(tmp_path):
     assert rc == 0
     (rec,) = map(json.loads, out.read_text().splitlines())
     assert rec["status"] == "ok" and rec["mode"] == "csbp" and rec["dflash2"] is True
-    assert rec["workload"] == "trainer-quickstart_drafter"
+    assert rec["workload"] == "trainer-quickstart_drafter-cold-cache"

@@ -112,7 +112,9 @@ def test_a_hung_rank_under_torchrun_is_named(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.startswith("specforge-csbp: rank")]
     assert lines, proc.stderr[-3000:]
     assert all(": rank 1 hung: rank 0 waited" in line and "(at step 2)" in line for line in lines), lines
-    assert "exitcode: 124" in proc.stderr
+    # the exit torchrun reports is the first worker's to end: the watchdog's 124, or, on a loaded machine, the
+    # waiting rank's own collective timeout (gloo aborts: SIGABRT) when it fires a moment before the watchdog
+    assert "exitcode: 124" in proc.stderr or "Signal 6 (SIGABRT)" in proc.stderr, proc.stderr[-3000:]
 
 
 def _status(progress, wait, label="step 1", done=False, stale=False, ready=True, in_collective=None):
