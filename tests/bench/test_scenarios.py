@@ -187,4 +187,5 @@ def test_the_headline_rows_each_name_the_scenario_that_reruns_them():
     first_pass = scenarios["trainer-64k-first-pass"].runs
     assert "trainer-qwen3.6-27b-dflash-warm-cache" in first_pass[0].reproduces
     assert first_pass[1].reproduces == ("trainer-qwen3.6-27b-dflash-cold-cache", "trainer-qwen3.6-27b-dflash")
-    assert scenarios["trainer-64k-vs-specforge"].runs[0].reproduces == ("trainer-qwen3.6-27b-dflash2-as-dflash",)
+    assert scenarios["trainer-64k-vs-specforge"].runs[0].reproduces == (
+        "trainer-qwen3.6-27b-dflash2-as-dflash-warm-cache", "trainer-qwen3.6-27b-dflash2-as-dflash")

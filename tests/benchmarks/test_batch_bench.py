@@ -55,8 +55,8 @@ def test_short_batch_against_long_sample_through_the_trainer(tmp_path, capsys):
     assert sorted(recs) == [1, 4]
     long, short = recs[1], recs[4]
     assert (
-        long["workload"] == "trainer-quickstart_drafter-as-dflash-cold-cache"
-        and short["workload"] == "trainer-quickstart_drafter-as-dflash-batch4-cold-cache"
+        long["workload"] == "trainer-quickstart_drafter-as-dflash-warm-cache"
+        and short["workload"] == "trainer-quickstart_drafter-as-dflash-batch4-warm-cache"
     )
     assert (
         long["context_len"] == 512 and short["context_len"] == 128 and long["mode"] == short["mode"] == "csbp"
@@ -69,7 +69,7 @@ def test_short_batch_against_long_sample_through_the_trainer(tmp_path, capsys):
     for r in recs.values():
         assert r["status"] == "ok" and r["step_ms"] > 0 and r["timed_steps"] == 1
     # each run trained its own batches: B samples per step in the short run's log
-    logged = (tmp_path / "trainer_logs" / "csbp_128_cold-cache.log").read_text()
+    logged = (tmp_path / "trainer_logs" / "csbp_128_warm-cache.log").read_text()
     assert "'tokens_per_micro_step': 512.0" in logged
     printed = capsys.readouterr().out
     line = next(ln for ln in printed.splitlines() if ln.startswith("batch_bench "))
