@@ -6,10 +6,11 @@
       samples/00000001.safetensors  input_ids     [L] int64
       ...                           loss_mask     [L] int64
 
-The manifest names the target (name, a hash of its config, a fingerprint of its weights), the target layer ids whose hidden states are
-concatenated on each row, the hidden size and the feature dtype; per sample it keeps the id, the relative
-file path, the length, the supervised-token count, the file size and its sha256, and the per-chunk
-checksums of its rows (checksums.py; absent in stores written before them, which readers check by sha256).
+The manifest names the target (name, a hash of its config, a fingerprint of its weights), the target layer
+ids whose hidden states are concatenated on each row, the hidden size and the feature dtype; per sample it
+keeps the id, the relative file path, the length, the supervised-token count, the file size and its sha256,
+and the per-chunk checksums of its rows (checksums.py; absent in stores written before them, which readers
+check by sha256).
 """
 
 from __future__ import annotations

@@ -104,7 +104,8 @@ def store_prompts(
     root: str, split: str | None = None, limit: int | None = None, *, target: tuple[str, object] | None = None
 ) -> list[torch.Tensor]:
     """The store's prompts; `target` = (its --target path, its config): the store must have been captured
-    from that target (compat.check_pair on the config hash and weights fingerprint the manifest records), checked before decoding."""
+    from that target (compat.check_pair on the config hash and weights fingerprint the manifest records),
+    checked before decoding."""
     if not os.path.exists(root):
         raise ValueError(f"--store: {root} does not exist")
     if not os.path.isdir(root):

@@ -107,7 +107,8 @@ def preflight(prepared: PreparedRun) -> None:
             check_warm_start(cfg.model.draft_checkpoint_path, draft)
         if cfg.training.resume_from:
             check_resume_config(cfg.training.resume_from, draft)
-            check_resume_target(cfg.training.resume_from, trained_target(cfg))
+            check_resume_target(cfg.training.resume_from,
+                                trained_target(store.manifest.target, cfg.model.target_model_path))  # fmt: skip
 
 
 def _check_store_fits(field: str, manifest, draft: dict | None) -> None:

@@ -249,16 +249,15 @@ def draft_config_json(config) -> str:
     return json.dumps(data, sort_keys=True, default=str)
 
 
-def trained_target(cfg) -> str:
+def trained_target(target, target_path: str | None) -> str:
     """JSON of the target this run's drafter is trained for: the config hash and weights fingerprint the
-    feature store recorded (the features' source; preflight checked model.target_model_path against them),
-    the fingerprint of model.target_model_path where the store has none. Saved in every checkpoint
-    (`csbp_target`) and copied into every export's provenance, so export and eval compare a drafter with the
-    target they are given (compat.check_drafter_target)."""
+    feature store recorded (`target`, its manifest's TargetInfo: the features' source; preflight checked
+    model.target_model_path against them), the fingerprint of `target_path` (model.target_model_path) where
+    the store has none. Saved in every checkpoint (`csbp_target`) and copied into every export's provenance,
+    so export and eval compare a drafter with the target they are given (compat.check_drafter_target)."""
     from ..data.fingerprint import weights_fingerprint  # lazy: reads the target's weight files
 
-    target = FeatureStore(cfg.data.hidden_states_path, verify="trust").manifest.target
-    weights = target.weights_sha256 or weights_fingerprint(cfg.model.target_model_path)
+    weights = target.weights_sha256 or weights_fingerprint(target_path)
     return json.dumps({"config_sha256": target.config_sha256, "weights_sha256": weights}, sort_keys=True)
 
 
@@ -273,7 +272,8 @@ def resume_contract(name: str, cfg, draft_model, training_model) -> dict[str, An
         "csbp_objective": json.dumps(
             {k: getattr(objective, k) for k in objective.__dataclass_fields__}, sort_keys=True
         ),
-        "csbp_target": trained_target(cfg),
+        # the store the training model reads (opened once there), not a second parse of its manifest
+        "csbp_target": trained_target(training_model.store.manifest.target, cfg.model.target_model_path),
     }
     resumed = cfg.training.resume_from
     if resumed and saved_state_has(resumed, "csbp_target") is False:

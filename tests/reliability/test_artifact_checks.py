@@ -305,12 +305,13 @@ def test_a_target_of_the_same_config_with_other_weights_is_named_wherever_it_mee
                                              rf"weights fingerprint {ours[:12]}, this run's target has {theirs[:12]}"):
             check_resume_target(str(checkpoint), mine)
         # what a run saves: the store's record of its target (the contract SpecForge writes into each checkpoint)
-        _store(tmp_path / "store", _tiny_sha(), weights=ours)
-        cfg = SimpleNamespace(data=SimpleNamespace(hidden_states_path=str(tmp_path / "store")),
-                              model=SimpleNamespace(target_model_path=str(other)),
+        from specforge_csbp.data.store import FeatureStore
+
+        store = FeatureStore(_store(tmp_path / "store", _tiny_sha(), weights=ours), verify="trust")
+        cfg = SimpleNamespace(model=SimpleNamespace(target_model_path=str(other)),
                               training=SimpleNamespace(resume_from=None))  # fmt: skip
         parts = (SimpleNamespace(config=SimpleNamespace(to_dict=lambda: draft)),
-                 SimpleNamespace(objective=DFlashObjective(num_anchors=4)))  # fmt: skip
+                 SimpleNamespace(objective=DFlashObjective(num_anchors=4), store=store))  # fmt: skip
         assert resume_contract("dflash2", cfg, *parts)["csbp_target"] == target_record
         cfg.training.resume_from = str(checkpoint)
         assert resume_contract("dflash2", cfg, *parts)["csbp_target"] == target_record
