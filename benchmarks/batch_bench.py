@@ -10,8 +10,8 @@ trainer (`specforge train --csbp`, dflash-csbp, cp_size 1; benchmarks/trainer_be
         --context 64K --batch-size 16 --anchors 2048 --work /tmp/batch --out $OUT/batch.jsonl
 
 Records: trainer_bench's (page cache warm), mode "csbp": workload "trainer-<config>-warm-cache" (long) and
-"trainer-<config>-batch<B>-warm-cache" (short, field batch_size). Printed: each run's step, data wait and compute per optimizer step, and
-`short_over_long` (step time ratio; 1.0 = a short batch runs as fast per token as a long sample) with
+"trainer-<config>-batch<B>-warm-cache" (short, field batch_size). Printed: each run's step, data wait and
+compute per optimizer step, and `short_over_long` (step time ratio; 1.0 = a short batch runs as fast per token as a long sample) with
 `per_sample_overhead_ms` ((short compute - long compute) / (B - 1): what each extra sample costs).
 """
 

@@ -66,8 +66,8 @@ The profile is SpecForge's own window (`profiling.enabled`, its StepProfiler), o
 --profile-steps steps of each run; its chrome trace is copied to --trace-dir when it is at most 16 MiB.
 `gpu_kernels_ms`: the profiled steps' kernel time per step (the GPU's busy share of the step).
 
-Records (design.md section 8): workload "trainer-<config file name>" (a DFlash2 file trained with
---no-dflash2: "-as-dflash" added; `trained_config` names it), modes "specforge" and "csbp", world_size 1,
+Records (design.md section 8): workload "trainer-<config file name>[-batch<B>]-<cold|warm>-cache[-store-trust]"
+(a DFlash2 file trained with --no-dflash2: "-as-dflash" after the name; `trained_config` names it), modes "specforge" and "csbp", world_size 1,
 `tokens_per_s` = supervised tokens (anchors x (block size - 1)) per second; extras: the fields above,
 data_wait_ms, train_compute_ms, steps_ms (every step), timed_steps, peak_reserved_gib, gpu_free_gib,
 keep_logits, breakdown_ms, host_syncs_per_step, item_calls_per_step, gpu_kernels_ms.
