@@ -7,8 +7,8 @@ reads every sample whole with the store's files evicted from the page cache befo
 posix_fadvise DONTNEED, + drop_caches as root):
 
     store-lazy     the plugin's prefetch path: `load_context` over the store's `SampleRows` - pieces of
-                   PIECE_BYTES on --read-threads threads (2 x threads in flight), each read in sub-reads of
-                   HASH_STEP_BYTES hashed as they land, in page-locked buffers, each piece copied to the GPU
+                   PIECE_BYTES on --read-threads threads (2 x threads in flight), each read by one positioned
+                   read and hashed chunk by chunk, in page-locked buffers, each piece copied to the GPU
                    as it arrives
     store-trust    the same with the checks off
     mapped-lazy    the store's earlier reader, kept here as the reference: the file memory-mapped, the

@@ -36,10 +36,14 @@ posix_fadvise DONTNEED, plus /proc/sys/vm/drop_caches as root; `cache_prepared_b
 once (--cache warm). `data_bytes_per_step`: the data file bytes one step reads (one sample's file per
 sample: one rank reads every row); `read_gbps_needed`: that over the first-pass step; `disk_read_gbps`: one
 cold sequential read of a sample file in the same launch, `disk_read_gbps_parallel`: the same file read cold by
-8 threads at once (the disk at queue depth); `read_bound`: cold, and the step needs more than
-the disk gives. --store-verify lazy,trust runs the plugin with the store's per-chunk checks on and off in the
-same launch (`store_verify`; a record's workload names its page cache, -cold-cache or -warm-cache, and the
-check-off record's ends in -store-trust).
+8 threads at once (the disk at queue depth); `read_ms_at_disk_rate`: the step's bytes at the better of the two;
+`read_bound`: cold, and that read takes longer than the step with its bytes in memory (the later passes'
+median; not judged without a later pass). --store-verify lazy,trust runs the plugin with the store's
+per-chunk checks on and off in the same launch, in the order given (`store_verify`; a record's workload names
+its page cache, -cold-cache or -warm-cache, and the check-off record's ends in -store-trust); a value may
+repeat to alternate the pair (trust,lazy,trust,lazy: `verify_launch` is each record's place in the list, logs
+end in -<place>; the first launch on a fresh machine also compiles what later launches load from the
+compiler's cache, so pair launches after it).
 
 What is measured is what the trainers log themselves: both run SpecForge's TrainerController, which prints
 `step N: {...}` per optimizer step (training.log_interval 1) with perf/optimizer_step_time_s (wall time of
@@ -128,7 +132,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fadvise-only", action="store_true",
                    help="--cache cold without /proc/sys/vm/drop_caches (which drops every file's pages on the machine)")  # fmt: skip
     p.add_argument("--store-verify", default="lazy",
-                   help="comma list of lazy, trust: one csbp run each (csbp.store_verify: the store's checks on / off)")  # fmt: skip
+                   help="comma list of lazy, trust, in order, repeats allowed: one csbp run each (csbp.store_verify: the store's checks on / off)")  # fmt: skip
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--modes", default="specforge,csbp", help="comma list of specforge, csbp")
     p.add_argument("--work", required=True, help="scratch directory (records, store, run outputs)")
@@ -150,7 +154,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         if bad:
             p.error(f"--modes: unknown {', '.join(bad)}; allowed: {', '.join(MODES)}")
         verify = args.store_verify.split(",")
-        if not verify or set(verify) - set(STORE_VERIFY):
+        if set(verify) - set(STORE_VERIFY):
             p.error(f"--store-verify: {args.store_verify!r}; allowed: a comma list of {', '.join(STORE_VERIFY)}")
         for name in ("samples", "passes", "anchors", "batch_size"):
             if getattr(args, name) < 1:
@@ -315,7 +319,7 @@ def run_config(args, mode: str, work: str, draft: str, data: str, length: int, o
     return run
 
 
-def launch(args, mode: str, run: dict, work: str, verify: str = "lazy") -> tuple[str, dict, int, float]:
+def launch(args, mode: str, run: dict, work: str, verify: str = "lazy", tag: str = "") -> tuple[str, dict, int, float]:
     """(stdout + stderr, peak memory, return code, wall seconds) of one trainer in a child process.
 
     The child's output streams into `<--out's folder>/trainer_logs/<run>_<context>.log` as it runs, so a
@@ -338,7 +342,7 @@ def launch(args, mode: str, run: dict, work: str, verify: str = "lazy") -> tuple
     env = dict(os.environ, SPECFORGE_CSBP_DISABLE="1", **({NO_CHECKPOINT_ENV: "1"} if not args.checkpoint else {}),
                PYTHONPATH=os.pathsep.join(
         [os.path.abspath(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))  # fmt: skip
-    log_path = launch_log_path(args, mode, verify)
+    log_path = launch_log_path(args, mode, verify, tag)
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     print(f"== {run_name(mode, verify)}: {shlex.join(['specforge', *trainer])} (log: {log_path})", flush=True)
     start = time.perf_counter()
@@ -356,10 +360,11 @@ def launch(args, mode: str, run: dict, work: str, verify: str = "lazy") -> tuple
     return log, peak, rc, wall_s
 
 
-def launch_log_path(args, mode: str, verify: str = "lazy") -> str:
-    """Where one launch's output goes: beside the records file, so it comes back with them."""
+def launch_log_path(args, mode: str, verify: str = "lazy", tag: str = "") -> str:
+    """Where one launch's output goes: beside the records file, so it comes back with them (`tag`: "-<k>" for
+    the k-th csbp launch when --store-verify repeats a value)."""
     folder = os.path.join(os.path.dirname(os.path.abspath(args.out)), "trainer_logs")
-    return os.path.join(folder, f"{run_name(mode, verify)}_{args.context}_{args.cache}-cache.log")
+    return os.path.join(folder, f"{run_name(mode, verify)}{tag}_{args.context}_{args.cache}-cache.log")
 
 
 def run_name(mode: str, verify: str = "lazy") -> str:
@@ -502,19 +507,28 @@ def _step_s(metrics: dict, steps: list[int]) -> list[float]:
     return [x for x in got if x is not None]
 
 
-def data_fields(args, data_bytes_per_step: int, disk_gbps: tuple[float, float] | None, step_ms: float | None) -> dict:
+def data_fields(args, data_bytes_per_step: int, disk_gbps: tuple[float, float] | None, step_ms: float | None,
+                in_memory_step_ms: float | None = None) -> dict:  # fmt: skip
     """What the data costs a step: the bytes it reads, the rate that needs, the disk's rates (one stream, several
-    streams at once), bound or not."""
+    streams at once), how long the bytes take at the better of them, bound or not.
+
+    Cold, every first-pass byte comes from the disk, so a step is bound by reading when its bytes take longer
+    at the disk's best rate than the step takes with them in memory (`in_memory_step_ms`: the later passes'
+    median, whose samples the first pass left in the page cache); without a later pass it is not judged."""
     needed = data_bytes_per_step / (step_ms / 1e3) / 1e9 if step_ms else None
     sequential, parallel = disk_gbps or (None, None)
     best = max(sequential or 0, parallel or 0)
+    read_ms = data_bytes_per_step / (best * 1e9) * 1e3 if best else None
+    bound = None
+    if args.cache == "warm":
+        bound = False
+    elif read_ms and in_memory_step_ms:
+        bound = read_ms > in_memory_step_ms
     return dict(
         data_bytes_per_step=data_bytes_per_step, read_gbps_needed=float(f"{needed:.4g}") if needed else None,
         disk_read_gbps=float(f"{sequential:.4g}") if sequential else None,
         disk_read_gbps_parallel=float(f"{parallel:.4g}") if parallel else None,
-        # cold: every first-pass byte comes from the disk, so a step cannot be faster than its bytes' read at
-        # the disk's best rate
-        read_bound=bool(args.cache == "cold" and needed and best and needed > best),
+        read_ms_at_disk_rate=round(read_ms, 1) if read_ms else None, read_bound=bound,
     )  # fmt: skip
 
 
@@ -558,7 +572,8 @@ def make_record(args, mode, length, block_size, log, peak, rc, device_name, name
     step_ms = statistics.median(step_s) * 1e3
     data_ms, compute_ms = med("perf/data_wait_time_s") * 1e3, med("perf/train_compute_time_s") * 1e3
     ack_ms = med("perf/durable_ack_time_s") * 1e3
-    record.update(data_fields(args, data_bytes_per_step, disk_gbps, record["first_pass_step_ms"] or step_ms))
+    record.update(data_fields(args, data_bytes_per_step, disk_gbps, record["first_pass_step_ms"] or step_ms,
+                              record["later_pass_step_ms"]))  # fmt: skip
     record.update(
         step_ms=round(step_ms, 2),
         tokens_per_s=round(args.batch_size * args.anchors * (block_size - 1) / (step_ms / 1e3), 1),
@@ -626,7 +641,8 @@ def main(argv=None) -> int:
     from specforge_csbp.bench.page_cache import parallel_read_gbps, sequential_read_gbps
 
     modes = [m for m in MODES if m in args.modes.split(",")]
-    verifies = [v for v in STORE_VERIFY if v in args.store_verify.split(",")]
+    verifies = args.store_verify.split(",")  # in the order given, repeats alternate the pair
+    repeated = len(set(verifies)) < len(verifies)
     length = parse_size(args.context)
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda" if on_gpu else "cpu")
@@ -680,16 +696,19 @@ def main(argv=None) -> int:
         if disk_gbps is None:  # the disk itself: one cold sequential read of a sample file
             disk_gbps = (sequential_read_gbps(files[0]), parallel_read_gbps(files[0]))
         per_step = round(sum(os.path.getsize(f) for f in files) / len(files) * args.batch_size)
-        for verify in verifies if mode == "csbp" else ["lazy"]:
+        for k, verify in enumerate(verifies if mode == "csbp" else ["lazy"], 1):
+            tag = f"-{k}" if mode == "csbp" and repeated else ""
             run = run_config(args, mode, work, draft, data, length, on_gpu, dflash2=config.is_dflash2)
             run["output_dir"] = os.path.join(work, run_name(mode, verify), "output")
             cache = prepare_cache(args, data_files(data))
             free_gib = gpu_free_gib(device)
-            log, peak, rc, wall_s = launch(args, mode, run, work, verify)
+            log, peak, rc, wall_s = launch(args, mode, run, work, verify, tag)
             trace = newest_trace(run["output_dir"]) if args.profile_steps else None
             record = make_record(args, mode, length, block_size, log, peak, rc, device_name, name, trace,
                                  verify=verify, cache=cache, data_bytes_per_step=per_step, disk_gbps=disk_gbps)  # fmt: skip
             record.update(launch_s=round(wall_s, 1), gpu_free_gib=free_gib)
+            if mode == "csbp":
+                record["verify_launch"] = k  # its place in --store-verify: which launches compiled, which loaded
             write(args.out, record)
             if trace is not None and args.trace_dir and os.path.getsize(trace) <= TRACE_LIMIT_BYTES:
                 os.makedirs(args.trace_dir, exist_ok=True)
@@ -699,7 +718,7 @@ def main(argv=None) -> int:
                                                  "later_pass_step_ms", "data_wait_ms", "read_gbps_needed",
                                                  "disk_read_gbps", "disk_read_gbps_parallel", "read_bound", "peak_mem_gib", "breakdown_ms", "launch_s",
                                                  "error") if k in record}  # fmt: skip
-            print(f"trainer_bench {run_name(mode, verify)} {args.context}: {json.dumps(shown)}", flush=True)
+            print(f"trainer_bench {run_name(mode, verify)}{tag} {args.context}: {json.dumps(shown)}", flush=True)
             shutil.rmtree(run["output_dir"], ignore_errors=True)  # the checkpoint (23 GB for the 27B shape)
     if not args.keep_data:
         shutil.rmtree(records, ignore_errors=True)

@@ -7,12 +7,9 @@ header, input_ids, loss_mask), so together they cover every byte of the file:
     file      | 8 + header | input_ids | loss_mask | hidden_states rows 0 .. L-1                         |
     digests   '-------- other_digest --------------' chunk 0 | chunk 1 | ... | chunk ceil(L/rows)-1 |
 
-A reader of rows [lo, hi) reads the whole chunks that cover them (at most one partial chunk at each end)
-in positioned sub-reads of about 1 MiB (store.py, HASH_STEP_BYTES) and feeds each sub-read to its chunk's
-streaming hash (`stream_hasher`) right after it lands, while its bytes are still in the CPU's cache; a
-chunk's digest is compared with the manifest when its last byte is in, before a row of it is returned: no
-pass over the whole file, nothing on the path but the bytes the step needs. A streamed digest equals the
-one-shot digest of the same bytes however they are cut, so the writer's one-shot digests verify. The hash
+A reader of rows [lo, hi) reads the whole chunks that cover them (at most one partial chunk at each end),
+each piece by one positioned read (store.py), and hashes each chunk's bytes in one call before a row of it
+is returned: no pass over the whole file, nothing on the path but the bytes the step needs. The hash
 is xxHash's XXH3-64 (python `xxhash`, about 10-23 GB/s on one CPU core); where `xxhash` is not installed,
 a new store gets zlib's CRC-32 (standard library, about 4 GB/s) and says so in its manifest (`chunk_hash`).
 Both detect any flipped byte of a chunk; neither is a defence against a forger (the whole-file sha256 stays
@@ -21,8 +18,6 @@ in the manifest for that).
     chunk_hash_name()                          the algorithm a new store records
     hasher(name)                               bytes -> hex digest for a recorded algorithm (one-line error
                                                when its library is missing)
-    stream_hasher(name)                        () -> a new hash object (`update(buf)`, `hexdigest()`) of the
-                                               same digest, fed piece by piece
     chunk_rows_for(row_bytes)                  rows per chunk for about CHUNK_BYTES per chunk
     tensor_spans(f, path)                      each tensor's byte range in an open sample file (header parse)
     read_bytes(fd, offset, out)                os.preadv until `out` is full (every read of a sample file)
@@ -52,7 +47,6 @@ __all__ = [
     "file_digests",
     "hasher",
     "read_bytes",
-    "stream_hasher",
     "tensor_spans",
 ]
 
@@ -64,7 +58,7 @@ _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 
 class _Crc32Stream:
-    """zlib's CRC-32 fed piece by piece: `zlib.crc32(b, zlib.crc32(a))` is the CRC-32 of a + b (zlib releases
+    """zlib's CRC-32 as a hash object: `zlib.crc32(b, zlib.crc32(a))` is the CRC-32 of a + b (zlib releases
     the GIL for buffers over 5 KiB: every chunk)."""
 
     __slots__ = ("value",)
@@ -88,10 +82,9 @@ def chunk_hash_name() -> str:
     return "xxh3_64"
 
 
-def stream_hasher(name: str) -> Callable[[], Any]:
-    """A factory of hash objects (`update(buf)` piece by piece, then `hexdigest()`) for a recorded
-    `chunk_hash`; the digest does not depend on how the bytes are cut. An unknown name, or a store made with
-    xxhash read without it, is one line."""
+def _hash_object(name: str) -> Callable[[], Any]:
+    """A factory of hash objects (`update(buf)`, then `hexdigest()`) for a recorded `chunk_hash`. An unknown
+    name, or a store made with xxhash read without it, is one line."""
     if name == "crc32":
         return _Crc32Stream
     if name != "xxh3_64":
@@ -110,8 +103,8 @@ def stream_hasher(name: str) -> Callable[[], Any]:
 
 
 def hasher(name: str) -> Callable[[memoryview], str]:
-    """bytes -> hex digest of a recorded `chunk_hash` (stream_hasher's, fed at once; its one-line errors)."""
-    new = stream_hasher(name)
+    """bytes -> hex digest of a recorded `chunk_hash` (one-line errors for an unknown or missing hash)."""
+    new = _hash_object(name)
 
     def digest(buf: memoryview) -> str:
         h = new()

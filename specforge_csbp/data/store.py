@@ -19,8 +19,8 @@ Under CSBP a rank holds only its zigzag shard of the context, so it reads only t
 `read_intervals` parses the file's safetensors header and reads the whole checksummed chunks that cover
 the requested rows in pieces of `PIECE_BYTES`, several in flight on the read threads (a disk serves
 parallel requests faster than one stream, and a mapped file's page faults are one stream per thread). A
-read thread fills its piece by positioned sub-reads of `HASH_STEP_BYTES`, hashing each while it is still in
-the CPU's cache, and checks each chunk (checksums.py) before a row is returned; the read threads run at a
+read thread fills its piece by one positioned read, then hashes each of its chunks in one call (each call
+releases the GIL) and checks it (checksums.py) before a row is returned; the read threads run at a
 lower CPU priority (`READ_THREAD_NICE`) than the thread that started them, so a prefetch overlapping a
 training step leaves the step's threads their cores. `read_pieces` yields the rows piece by piece, so a
 consumer's copy to a GPU overlaps the reads still in flight. Tokens and loss mask are small and read whole.
@@ -58,7 +58,6 @@ from .checksums import (
     file_digests,
     hasher,
     read_bytes,
-    stream_hasher,
     tensor_spans,
 )
 from .manifest import (
@@ -71,7 +70,6 @@ from .manifest import (
 )
 
 __all__ = [
-    "HASH_STEP_BYTES",
     "PIECE_BYTES",
     "READ_THREAD_NICE",
     "VERIFY_MODES",
@@ -84,10 +82,6 @@ __all__ = [
 #: bytes of rows one read thread's piece holds (whole checksummed chunks): large enough that the kernel
 #: issues large requests, small enough that 2 x read_threads of them in flight stay a few hundred MiB
 PIECE_BYTES = 16 << 20
-#: bytes of one positioned sub-read of a checked piece, hashed right after it lands: a few of them in flight
-#: on the read threads fit the CPU's last-level cache, so the hash reads them there instead of reading a
-#: whole 4 MiB chunk back from memory (bandwidth and cache the training step's own threads then keep)
-HASH_STEP_BYTES = 1 << 20
 #: added to the nice value of each read thread: a read has a whole training step of slack, the step's own
 #: threads (the trainer's, its OpenMP workers) must never wait for a core behind a read or a hash
 READ_THREAD_NICE = 5
@@ -381,7 +375,6 @@ A store whose capture or import did not finish (`complete: false`) is refused.
         )
         # per-chunk checks on every read unless trusted; a store from before them: sha256 at the first read
         self._digest = hasher(self.manifest.chunk_hash) if chunked and verify != "trust" else None
-        self._stream = stream_hasher(self.manifest.chunk_hash) if self._digest is not None else None
         self._lazy_whole = verify == "lazy" and not chunked
         if self._lazy_whole and self.manifest.samples:
             print(
@@ -580,34 +573,34 @@ A store whose capture or import did not finish (`complete: false`) is refused.
             a = end
 
     def _fill(self, entry: SampleEntry, fd: int, hidden: Span, p: int, q: int, buf: torch.Tensor) -> None:
-        """buf = the bytes of rows [p, q), read on a read thread: one positioned read, or, when checked, one
-        sub-read of up to HASH_STEP_BYTES after another, each fed to its chunk's hash as it lands, a chunk's
-        digest compared with the manifest when its last byte is in (a failure raises before the piece is
-        used):
+        """buf = the bytes of rows [p, q), read on a read thread by one positioned read; when checked, each
+        chunk's bytes are then hashed by one call and the digest compared with the manifest (a failure raises
+        before the piece is used):
 
             rows       p ................................................... q
-            chunks     |       chunk k        |      chunk k+1       | ...   whole chunks (the sample's
-            sub-reads  | 1 MiB | 1 MiB | ... r| 1 MiB | 1 MiB | ... r| ...   last may be shorter); r: the
-            checks                            ^ chunk k              ^ chunk k+1     rest of a chunk
+            read       |<------------------ one positioned read -------------->|
+            chunks     |       chunk k        |      chunk k+1       | ...        whole chunks (the sample's
+            checks     hash(chunk k) == manifest, hash(chunk k+1) == ...            last may be shorter)
+
+        Why one read, then one hash call per chunk: every call a read thread makes takes the GIL back from the
+        trainer's thread, whose kernel launches then wait. 1 MiB sub-reads, each hashed as it lands, take it
+        16 times as often per piece: while a 64K sample of the 27B shape was read on an H100 host, a loop of
+        kernel launches beside it kept 0.21 of its rate that way, 0.51 this way and 0.54 with the checks off
+        (benchmarks/store_contention_bench.py), and hashing a chunk from memory instead of from the CPU's
+        cache read at the same rate (21.7 vs 21.3 GB/s).
         """
         start, row_bytes = hidden.start + p * self._row_bytes, self._row_bytes
         view = memoryview(buf.numpy())
         try:
-            if self._stream is None:
-                read_bytes(fd, start, view)
-            else:
-                rows = self._chunk_rows
-                for k in range(p // rows, -(-q // rows)):
-                    lo, hi = (max(p, k * rows) - p) * row_bytes, (min(q, k * rows + rows) - p) * row_bytes
-                    h = self._stream()
-                    for at in range(lo, hi, HASH_STEP_BYTES):
-                        part = view[at : min(hi, at + HASH_STEP_BYTES)]
-                        read_bytes(fd, start + at, part)
-                        h.update(part)
-                    self._check_chunk(entry, k, h.hexdigest())
+            read_bytes(fd, start, view)
         except OSError as err:
             raise ValueError(f"corrupted or missing store file {self._path(entry)}: {err}".replace("\n", " ")) from None
-        self._count(buf.numel(), buf.numel() if self._stream is not None else 0)
+        if self._digest is not None:
+            rows = self._chunk_rows
+            for k in range(p // rows, -(-q // rows)):
+                chunk = view[(max(p, k * rows) - p) * row_bytes : (min(q, k * rows + rows) - p) * row_bytes]
+                self._check_chunk(entry, k, self._digest(chunk))
+        self._count(buf.numel(), buf.numel() if self._digest is not None else 0)
 
     @contextlib.contextmanager
     def _sample_file(self, entry: SampleEntry, intervals: Sequence[tuple[int, int]]):

@@ -15,7 +15,7 @@ import torch
 
 import specforge_csbp.data.store as store_mod
 from specforge_csbp.data import FeatureStore, FeatureStoreWriter, ShardedFeatureDataset, TargetInfo
-from specforge_csbp.data.checksums import chunk_hash_name, hasher, stream_hasher, tensor_spans
+from specforge_csbp.data.checksums import chunk_hash_name, hasher, tensor_spans
 from specforge_csbp.layout import ZigzagShards
 
 WIDTH, LENGTH, ROWS = 6, 48, 5  # 5-row chunks: not aligned with the 4-token blocks
@@ -304,9 +304,9 @@ def test_hashing_a_chunk_leaves_the_training_thread_running(name):
     assert stall < 0.5 * ran, f"{name}: this thread stalled {stall * 1e3:.1f} ms of the hash's {ran * 1e3:.1f} ms"
 
 
-def _record_sub_reads(monkeypatch, store):
+def _record_reads_and_hashes(monkeypatch, store):
     """Per thread, in order: ("read", file offset, bytes) for each positioned read and ("hash", bytes) for
-    each update of a chunk's hash object, ("digest",) when a chunk's digest is taken."""
+    each digest of a chunk's bytes."""
     events: dict[int, list] = {}
     preadv = os.preadv
 
@@ -314,73 +314,56 @@ def _record_sub_reads(monkeypatch, store):
         events.setdefault(threading.get_ident(), []).append(("read", offset, sum(len(b) for b in buffers)))
         return preadv(fd, buffers, offset)
 
-    class Recorded:
-        def __init__(self, inner):
-            self.inner = inner
+    digest = store._digest
 
-        def update(self, buf):
-            events.setdefault(threading.get_ident(), []).append(("hash", len(buf)))
-            self.inner.update(buf)
-
-        def hexdigest(self):
-            events.setdefault(threading.get_ident(), []).append(("digest",))
-            return self.inner.hexdigest()
+    def counted_digest(buf):
+        events.setdefault(threading.get_ident(), []).append(("hash", len(buf)))
+        return digest(buf)
 
     monkeypatch.setattr(os, "preadv", counted_preadv)
-    new = store._stream
-    monkeypatch.setattr(store, "_stream", lambda: Recorded(new()))
+    monkeypatch.setattr(store, "_digest", counted_digest)
     return events
 
 
-@pytest.mark.parametrize("step", [7, 16, ROWS * WIDTH * 2, 1 << 20])  # bytes: 7 and 16 do not divide a
-@pytest.mark.parametrize("chunks_a_piece", [1, 2, 3])  # 60-byte chunk, 60 is one, 1 MiB is more than one
-def test_each_sub_read_is_hashed_as_it_lands_and_never_crosses_a_chunk(tmp_path, monkeypatch, step,
-                                                                        chunks_a_piece):
+@pytest.mark.parametrize("chunks_a_piece", [1, 2, 3])
+def test_each_piece_is_one_read_and_each_chunk_one_hash_call(tmp_path, monkeypatch, chunks_a_piece):
+    # Every call a read thread makes takes the GIL back from the trainer's thread: a piece is read by one
+    # positioned read, then each chunk in it is hashed by one call, before the piece is used.
     root, samples = _write(str(tmp_path / "store"))  # 48 rows: the last chunk (45-47) is short, and the last
     store = FeatureStore(root, verify="lazy", read_threads=2)  # piece ends inside a chunk's 5 rows
     row_bytes = WIDTH * 2
     chunk_bytes = ROWS * row_bytes
     start = _hidden_start(os.path.join(root, "samples", "00000001.safetensors"))
-    end = start + LENGTH * row_bytes
     for lo, hi in [(0, LENGTH), (7, 31), (44, LENGTH), (46, 47)]:
-        monkeypatch.setattr(store_mod, "HASH_STEP_BYTES", step)
         monkeypatch.setattr(store_mod, "PIECE_BYTES", chunks_a_piece * chunk_bytes)
-        events = _record_sub_reads(monkeypatch, store)
+        events = _record_reads_and_hashes(monkeypatch, store)
         before = (store.bytes_read, store.bytes_hashed)
         assert torch.equal(torch.cat([r for _, r in _pieces(store, "s1", lo, hi)]), samples[1][1][lo:hi])
         a, b = lo // ROWS * ROWS, min(-(-hi // ROWS) * ROWS, LENGTH)  # the covering chunks
         assert store.bytes_read - before[0] == store.bytes_hashed - before[1] == (b - a) * row_bytes
         reads = sorted(e[1:] for ev in events.values() for e in ev if e[0] == "read")
-        at = start + a * row_bytes
-        for off, n in reads:  # the covering bytes once, in sub-reads of at most `step`, none across a chunk
-            assert off == at and 0 < n <= step
-            assert (off - start) // chunk_bytes == (off + n - 1 - start) // chunk_bytes
-            at += n
-        assert at == start + b * row_bytes
-        for ev in events.values():  # each read hashed right after it lands, a digest once its chunk is whole
-            hashed = 0
-            for i, e in enumerate(ev):
-                if e[0] == "read":
-                    assert ev[i + 1] == ("hash", e[2])
-                    hashed, last_end = hashed + e[2], e[1] + e[2]
-                elif e[0] == "digest":
-                    short = hashed == (LENGTH % ROWS) * row_bytes and last_end == end  # the sample's last
-                    assert hashed == chunk_bytes or short
-                    hashed = 0
-            assert hashed == 0
-        digests = sum(e == ("digest",) for ev in events.values() for e in ev)
-        assert digests == -(-(b - a) // ROWS)
-        if step >= chunk_bytes:  # chunks no larger than one sub-read: one read per chunk
-            assert len(reads) == digests
-        monkeypatch.undo()  # os.preadv and the hash as they were, patched again for the next range
+        pieces = list(store._piece_bounds(a, b))
+        assert reads == [(start + p * row_bytes, (q - p) * row_bytes) for p, q in pieces]  # one read a piece
+        for ev in events.values():  # each read followed by one hash call per chunk of its piece, in order
+            i = 0
+            while i < len(ev):
+                assert ev[i][0] == "read"
+                n, i = ev[i][2], i + 1
+                while n:
+                    assert ev[i][0] == "hash"
+                    size = ev[i][1]
+                    assert size == chunk_bytes or size == (LENGTH % ROWS) * row_bytes == n  # the sample's last
+                    n, i = n - size, i + 1
+        hashes = sum(e[0] == "hash" for ev in events.values() for e in ev)
+        assert hashes == -(-(b - a) // ROWS)
+        monkeypatch.undo()  # os.preadv and the digest as they were, patched again for the next range
 
 
-@pytest.mark.parametrize("chunk, at", [(3, ROWS * WIDTH * 2 - 5), (9, (LENGTH % ROWS) * WIDTH * 2 - 1)])
-def test_a_flipped_byte_in_the_last_sub_read_of_a_chunk_stops_the_read(tmp_path, monkeypatch, chunk, at):
-    # 16-byte sub-reads: a 60-byte chunk is read as 16 + 16 + 16 + 12, the sample's last (36 bytes) as
-    # 16 + 16 + 4; the flipped byte is in the last sub-read of its chunk
+@pytest.mark.parametrize("chunk, at", [(3, ROWS * WIDTH * 2 - 1), (9, (LENGTH % ROWS) * WIDTH * 2 - 1)])
+def test_a_flipped_last_byte_of_a_chunk_stops_the_read(tmp_path, monkeypatch, chunk, at):
+    # the flipped byte is the last of its chunk (chunk 9 is the sample's last, shorter one), in the second
+    # chunk of a two-chunk piece
     root, samples = _write(str(tmp_path / "store"))
-    monkeypatch.setattr(store_mod, "HASH_STEP_BYTES", 16)
     monkeypatch.setattr(store_mod, "PIECE_BYTES", 2 * ROWS * WIDTH * 2)
     victim = os.path.join(root, "samples", "00000000.safetensors")
     _flip(victim, _hidden_start(victim) + chunk * ROWS * WIDTH * 2 + at)
@@ -401,33 +384,26 @@ def test_a_flipped_byte_in_the_last_sub_read_of_a_chunk_stops_the_read(tmp_path,
 
 
 @pytest.mark.parametrize("name", ["crc32", "xxh3_64"])
-def test_streamed_digests_are_the_one_shot_digests(name):
-    # the writer's digests (one shot) are what a read's streamed digests are compared with
+def test_a_digest_does_not_depend_on_the_buffer_it_is_taken_from(name):
+    # a reader hashes a chunk where its piece landed (a view into a larger buffer); the writer hashed it in
+    # a buffer of its own: the digests agree, and an unknown or missing hash is one line
     if name == "xxh3_64":
         pytest.importorskip("xxhash")
     g = torch.Generator().manual_seed(2)
     buf = torch.randint(0, 256, ((3 << 20) + 17,), dtype=torch.uint8, generator=g)
     view = memoryview(buf.numpy())
-    whole = hasher(name)(view)
-    uneven = list(range(1, len(view), 65537))
-    for cuts in ([], [1 << 20, 2 << 20, 3 << 20], [7, 8, 4096, (1 << 20) + 1], uneven):
-        h = stream_hasher(name)()
-        for a, b in zip([0, *cuts], [*cuts, len(view)]):
-            h.update(view[a:b])
-        assert h.hexdigest() == whole, (name, cuts[:4])
-    h = stream_hasher(name)()
-    h.update(view[:0])
-    assert h.hexdigest() == hasher(name)(view[:0])
+    digest = hasher(name)
+    for a, b in [(0, len(view)), (1, (1 << 20) + 1), (7, 8), (4096, 4096)]:
+        assert digest(view[a:b]) == digest(memoryview(bytes(view[a:b]))), (name, a, b)
 
 
-def test_stream_hasher_has_the_same_one_line_errors(monkeypatch):
+def test_hasher_errors_are_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "xxhash", None)
     with pytest.raises(ValueError, match="install the `xxhash` package") as err:
-        stream_hasher("xxh3_64")
+        hasher("xxh3_64")
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="chunk_hash must be one of xxh3_64, crc32; got 'md5'"):
-        stream_hasher("md5")
-    assert stream_hasher("crc32")().hexdigest() == hasher("crc32")(memoryview(b""))
+        hasher("md5")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
