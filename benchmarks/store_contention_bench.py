@@ -10,7 +10,8 @@ pieces copied to the device), then the loop alone; per reader:
     trust          the store's checks off: one positioned read per piece
     lazy           the store's checks on (the default): one read per piece, then one hash call per chunk
     lazy-sub<N>    reference only, not the store's order: each chunk read in N MiB sub-reads, each hashed
-                   as it lands (`--sub-read-mib`), which takes the GIL back 4 MiB / N times as often
+                   as it lands (`--sub-read-mib`): 2 x 4 / N calls per 4 MiB chunk, each taking the GIL back,
+                   against 1.25 (one read per 16 MiB piece, one hash per chunk)
 
 Readers alternate round by round (`--rounds`), so drift hits each alike. One record per reader (workload
 "store-contention"; mode "csbp", "reference" for lazy-sub<N>): `step_ms` the median read of one sample,

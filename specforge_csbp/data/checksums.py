@@ -57,7 +57,7 @@ _HIDDEN = "hidden_states"
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 
-class _Crc32Stream:
+class _Crc32:
     """zlib's CRC-32 as a hash object: `zlib.crc32(b, zlib.crc32(a))` is the CRC-32 of a + b (zlib releases
     the GIL for buffers over 5 KiB: every chunk)."""
 
@@ -86,7 +86,7 @@ def _hash_object(name: str) -> Callable[[], Any]:
     """A factory of hash objects (`update(buf)`, then `hexdigest()`) for a recorded `chunk_hash`. An unknown
     name, or a store made with xxhash read without it, is one line."""
     if name == "crc32":
-        return _Crc32Stream
+        return _Crc32
     if name != "xxh3_64":
         raise ValueError(f"chunk_hash must be one of {', '.join(CHUNK_HASHES)}; got {name!r}")
     try:
