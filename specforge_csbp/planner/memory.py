@@ -258,8 +258,9 @@ def drafter_step_memory(
     Context rows, per layer (models/dflash/modeling.py `context_kv` and the attention call): the fused K|V
     projection output (k-norm saves its input, a view that keeps the whole output alive) and the K/V of
     `cat([context, block])` that the attention saves: 2 x (2 Hk D) per row. Sliding-window layer types
-    select their context rows once (`index_select`, saved as the K/V projection's input): h per selected
-    row. Loss (`linear_ce_topk` with the per-chunk arithmetic compiled, as on a GPU: objectives/ce_chunk.py):
+    select their context rows once (`index_select`, saved as the K/V projection's input): h per row - an
+    upper bound, since a type whose windows leave out little of the shard keeps it whole, without the copy
+    (models/dflash/sharding.py `WHOLE_SHARD_MAX_LEFT_OUT`). Loss (`linear_ce_topk` with the per-chunk arithmetic compiled, as on a GPU: objectives/ce_chunk.py):
     the chunk's logits in the GEMM dtype and their gradient - in the GEMM dtype too, unless the selector's
     top-k (k > 1) needs an fp32 copy of the logits in forward and an fp32 gradient (the top-k scatter at
     full precision) cast back for the GEMM in backward: [chunk, V] x (2 e) or (e + 4 + e) bytes; plus

@@ -274,6 +274,8 @@ def _train(resolved, prepared: PreparedRun) -> int:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115
         with optimizer.install():  # SpecForge's BF16 AdamW, with fused / multi-tensor kernels
             run = build_application_run(resolved)
+        # SpecForge's gradient rescale and the non-finite check run inside the optimizer's step (one pass)
+        optimizer.connect(run)
         # the next micro-step's first sample is built while this one's last runs (changes nothing if this
         # SpecForge keeps its data stream elsewhere: plugin/lookahead.py)
         lookahead.install(run)

@@ -11,13 +11,16 @@ evaluator; est_tau and the per-slot sums are kept here and finished by `eval_ext
 Non-finite guard (SpecForge's loop has none): each rank keeps its loss numerators (forward_loss) and, in a
 DDP communication hook, flags on the device which of its own gradients are non-finite before the all-reduce
 mixes the ranks' gradients in - nothing is read back during backward, so the host never waits for the GPU
-there. Backward still runs (the other ranks' attention collectives need this rank's part). At the optimizer
-boundary, a step pre-hook on SpecForge's inner AdamW (it fires after the gradient all-reduce and before any
-weight, moment or schedule changes) reduces every rank's verdict with one MAX all-reduce and reads it back
-once, with the summed gradients' norms; only on a failure are the details gathered, and `NonFiniteError` is
-raised on every rank, naming the rank and the tensor (loss before gradient, then the lowest rank; an overflow
-that only appears after the sum is named too). SpecForge saves no checkpoint on an exception, so the last
-checkpoint stays the last good step's.
+there. Backward still runs (the other ranks' attention collectives need this rank's part). One rank has
+nothing to mix: its hook passes the gradients through (no all-reduce, no division by 1) and the summed check
+below covers them. At the optimizer boundary the verdict (`device_verdict`: every rank's flags with one MAX
+all-reduce, and whether the gradients the optimizer reads are finite) is read back once (`settle`): by the
+plugin's optimizer, from its own gradient norms, after it queued an update that the verdict skips on the
+device (plugin/optimizer.py), or else by a step pre-hook on the inner AdamW (before any weight, moment or
+schedule changes). Only on a failure are the details gathered, and `NonFiniteError` is raised on every rank,
+naming the rank and the tensor (loss before gradient, then the lowest rank; an overflow that only appears
+after the sum is named too). SpecForge saves no checkpoint on an exception, so the last checkpoint stays the
+last good step's.
 """
 
 from __future__ import annotations
@@ -65,10 +68,15 @@ class CSBPDraftTrainStrategy(DraftTrainStrategy):
         self._numerators: list[torch.Tensor] = []
         # per DDP bucket this micro-step: (parameter indices, their non-finite flags on the device)
         self._grad_flags: list[tuple[list[int], torch.Tensor]] = []
+        self._pending: tuple[list[torch.Tensor], torch.Tensor, Any] | None = None  # the verdict being settled
         self._step = 0
         self._armed = False
+        self._group = getattr(self.model, "process_group", None) if dist.is_initialized() else None
+        # one rank: the gradients the optimizer reads are this rank's own, so its check names them directly
+        self._one_rank = not dist.is_initialized() or dist.get_world_size(self._group) == 1
         if isinstance(self.model, DistributedDataParallel):
-            self.model.register_comm_hook(self.model.process_group, self._check_then_allreduce)
+            hook = self._keep_bucket if self._one_rank else self._check_then_allreduce
+            self.model.register_comm_hook(self.model.process_group, hook)
         global _GUARD_HANDLE
         if _GUARD_HANDLE is not None:  # one strategy per process trains; the newest one guards
             _GUARD_HANDLE.remove()
@@ -94,6 +102,14 @@ class CSBPDraftTrainStrategy(DraftTrainStrategy):
         self._note_grads(bucket.parameters(), bucket.gradients())
         return allreduce_hook(process_group, bucket)
 
+    @staticmethod
+    def _keep_bucket(process_group, bucket):
+        """DDP comm hook of a one-rank group: nothing to sum or average (DDP's default would divide every
+        gradient by 1 and all-reduce it with itself), and the step's check reads these gradients themselves."""
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
     def _local_finding(self, numerators: list[torch.Tensor]) -> tuple[int, str] | None:
         """(phase, what) of this rank's first non-finite loss numerator, else gradient (slow path: reads back)."""
         for n in numerators:
@@ -110,37 +126,50 @@ class CSBPDraftTrainStrategy(DraftTrainStrategy):
         # the counts are of the gradient as it reaches the optimizer (after the ranks' all-reduce)
         return (1, first_nonfinite([(f"draft_model.{name}.grad", param.grad)]) or f"draft_model.{name}.grad")
 
-    def _before_optimizer_step(self) -> None:
-        """One host read per optimizer step decides: this rank's loss numerators and pre-all-reduce gradient
-        flags, every rank's verdict (one MAX all-reduce), and the summed gradients' norms."""
+    def device_verdict(self, norms: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The step's check up to its host read (plugin/optimizer.GradientCheck): [a loss numerator or a
+        pre-all-reduce gradient was non-finite on some rank (one MAX all-reduce), the gradients the optimizer
+        reads are non-finite] as int32 flags on the device. `norms`: the per-tensor norms of those gradients
+        when the optimizer has them (they are not read twice); None when no training step is due."""
         if not self._armed:
-            return
+            return None
         self._armed = False
-        if not isinstance(self.model, DistributedDataParallel):  # no comm hook: scan the gradients here
-            self._note_grads([p for _, p in self._named], [p.grad for _, p in self._named])
+        if not isinstance(self.model, DistributedDataParallel) and not self._one_rank:
+            self._note_grads([p for _, p in self._named], [p.grad for _, p in self._named])  # no comm hook
         numerators, self._numerators = self._numerators, []
-        grads = [p.grad.detach() for _, p in self._named if p.grad is not None]
-        device = grads[0].device if grads else (numerators[0].device if numerators else torch.device("cpu"))
+        if norms is None:
+            grads = [p.grad.detach() for _, p in self._named if p.grad is not None]
+            norms = torch.stack(torch._foreach_norm(grads)) if grads else None
+        device = norms.device if norms is not None else (numerators[0].device if numerators else torch.device("cpu"))
         local_bad = torch.zeros((), dtype=torch.int32, device=device)
         for n in numerators:
             local_bad = local_bad | (~torch.isfinite(n)).any().to(device, torch.int32)
         for _, flags in self._grad_flags:
             local_bad = local_bad | flags.any().to(device, torch.int32)
-        group = getattr(self.model, "process_group", None) if dist.is_initialized() else None
         any_bad = local_bad.clone()
-        if dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(any_bad, op=dist.ReduceOp.MAX, group=group)
+        if not self._one_rank:
+            dist.all_reduce(any_bad, op=dist.ReduceOp.MAX, group=self._group)
         summed_bad = (
-            (~torch.isfinite(torch.stack(torch._foreach_norm(grads)))).any().to(device, torch.int32)
-            if grads else torch.zeros((), dtype=torch.int32, device=device)
+            (~torch.isfinite(norms)).any().to(device, torch.int32)
+            if norms is not None else torch.zeros((), dtype=torch.int32, device=device)
         )  # fmt: skip
-        verdict = torch.stack([any_bad, summed_bad]).tolist()  # the guard's one host sync
+        self._pending = (numerators, local_bad)
+        return torch.stack([any_bad, summed_bad])
+
+    def settle(self, verdict: list[int]) -> None:
+        """Raise `NonFiniteError` on every rank for a refused step, naming the rank and the tensor (loss before
+        gradient, then the lowest rank; an overflow that only appears in the ranks' sum is named too)."""
+        numerators, local_bad = self._pending or ([], None)
+        self._pending = None
         try:
             if verdict[0]:
-                local = self._local_finding(numerators) if int(local_bad) else None
-                raise NonFiniteError(first_offender(self._step, local, group))
-            if verdict[1]:  # finite on every rank, yet the averaged gradients overflow (the same on every rank)
+                local = self._local_finding(numerators) if local_bad is not None and int(local_bad) else None
+                raise NonFiniteError(first_offender(self._step, local, self._group))
+            if verdict[1]:
                 where = first_nonfinite((f"draft_model.{n}.grad", p.grad) for n, p in self._named)
+                if self._one_rank:  # this rank's own gradients
+                    raise NonFiniteError(first_offender(self._step, (1, where), self._group))
+                # finite on every rank, yet the averaged gradients overflow (the same on every rank)
                 raise NonFiniteError(
                     f"step {self._step + 1}: non-finite gradient after the all-reduce over ranks (overflow): first "
                     f"offending tensor {where}; the step was not applied (weights, optimizer state and "
@@ -148,6 +177,13 @@ class CSBPDraftTrainStrategy(DraftTrainStrategy):
                 )
         finally:
             self._grad_flags = []
+
+    def _before_optimizer_step(self) -> None:
+        """The check as an optimizer pre-hook, for an optimizer that does not run it itself (`connect` makes
+        the plugin's own run it, on its norms, after queueing the update): one host read per step."""
+        verdict = self.device_verdict()
+        if verdict is not None:
+            self.settle(verdict.tolist())
 
     def trainable_module(self) -> torch.nn.Module:
         return self.model

@@ -58,10 +58,28 @@ from . import groups as csbp_groups
 from . import lookahead
 from .prefetch_jobs import AHEAD_TOKENS, PrefetchJobs
 
-__all__ = ["AHEAD_TOKENS", "EVAL_ANCHOR_STEP", "CSBPDrafterTrainingModel"]
+__all__ = ["AHEAD_TOKENS", "EVAL_ANCHOR_STEP", "CSBPDrafterTrainingModel", "unreached_parameters"]
 #: eval forwards draw their anchors as at this step, whatever the global step: every eval pass scores the
 #: same blocks, so successive evals compare (the loss weights still follow the global step)
 EVAL_ANCHOR_STEP = 0
+
+
+def unreached_parameters(root: torch.Tensor, params: list[nn.Parameter]) -> list[nn.Parameter]:
+    """The parameters of `params` that `root`'s autograd graph does not reach (they would get no gradient
+    from its backward). A walk over the graph's nodes on the host: no device work, no sync."""
+    reached: set[int] = set()
+    seen: set[object] = set()
+    todo = [root.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # AccumulateGrad: the leaf it writes the gradient of
+        if leaf is not None:
+            reached.add(id(leaf))
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return [p for p in params if id(p) not in reached]
 
 
 class CSBPDrafterTrainingModel(nn.Module):
@@ -264,10 +282,13 @@ class CSBPDrafterTrainingModel(nn.Module):
             denominator += out.denominator
             for k, v in out.stats.items():
                 totals[k] = totals.get(k, 0.0) + v
-        # every trainable parameter takes part in the graph (DDP expects each one to get a gradient)
+        # every trainable parameter takes part in the graph (DDP expects each one to get a gradient); a zero
+        # term ties in only those the step left out, since each tied one gets a gradient-sized zero tensor
+        # added to its real gradient in backward (two passes over every gradient of the drafter)
         params = [p for p in self.draft_model.parameters() if p.requires_grad]
-        tie = torch.stack([p.reshape(-1)[0].to(numerator.dtype) for p in params]).sum() * 0.0
-        numerator = numerator + tie
+        missing = unreached_parameters(numerator, params)
+        if missing:
+            numerator = numerator + torch.stack([p.reshape(-1)[0].to(numerator.dtype) for p in missing]).sum() * 0.0
         # a fill kernel: a host-to-device copy of the scalar would wait for the stream (pageable memory)
         return numerator, numerator.new_full((), float(denominator)).detach(), totals
 

@@ -90,3 +90,21 @@ def test_a_crashed_rank_stops_every_rank_and_is_named(tmp_path):
     ), done.stderr[-2000:]
     assert "ChildFailedError" not in text and "Root Cause" not in text, text[-3000:]
     assert _left_behind(str(tmp_path)) == []
+
+
+def test_one_rank_names_a_nonfinite_gradient_and_applies_nothing(tmp_path):
+    """One rank has nothing to all-reduce (its DDP hook passes the gradients through): the optimizer's own
+    gradient norms decide, the update it queued is skipped on the device, and the error names the tensor as on
+    several ranks; no checkpoint is written."""
+    build_run(tmp_path, steps=2, save_interval=1)
+    param = "layers.0.self_attn.q_proj.weight"
+    one_rank = ["deployment.trainer.nproc_per_node=1", "csbp.cp_size=1"]
+    done = specforge_train(["-c", "run.yaml", "output_dir=inf", *one_rank], tmp_path, fault=f"nan:0:1:{param}")
+    text = _text(done)
+    assert done.returncode != 0
+    assert re.search(
+        rf"step 1: non-finite value on rank 0: first offending tensor draft_model\.{re.escape(param)}\.grad "
+        r"\(\d+ nan, \d+ inf of \d+\); the step was not applied",
+        done.stderr.strip().splitlines()[-1],
+    ), text[-4000:]
+    assert not any(p.name.startswith(f"{RUN_ID}-step") for p in (tmp_path / "inf").glob("*"))

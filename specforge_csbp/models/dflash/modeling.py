@@ -79,18 +79,29 @@ class DFlashAttention(nn.Module):
     def _heads(self, t: torch.Tensor, heads: int) -> torch.Tensor:
         return t.unflatten(-1, (heads, self.head_dim)).transpose(1, 2)  # [B, heads, N, D]
 
+    def context_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The [k | v] projection of context rows as one linear map: (weight, bias)."""
+        weight = torch.cat([self.k_proj.weight, self.v_proj.weight])
+        bias = None if self.k_proj.bias is None else torch.cat([self.k_proj.bias, self.v_proj.bias])
+        return weight, bias
+
     def context_kv(
         self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of context rows (one GEMM for both): k-norm and RoPE at the context positions."""
-        weight = torch.cat([self.k_proj.weight, self.v_proj.weight])
-        bias = None if self.k_proj.bias is None else torch.cat([self.k_proj.bias, self.v_proj.bias])
-        k, v = F.linear(ctx, weight, bias).split(self.num_kv_heads * self.head_dim, dim=-1)
+        return self.context_kv_from(F.linear(ctx, *self.context_weight()), cos, sin)
+
+    def context_kv_from(
+        self, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of context rows from their [k | v] projection `kv` (`context_weight`)."""
+        k, v = kv.split(self.num_kv_heads * self.head_dim, dim=-1)
         k = self.normed_rope_heads(k, self.k_norm.weight, self.k_norm.eps, self.num_kv_heads, cos, sin)
         return k, self._heads(v, self.num_kv_heads)
 
     def forward(self, x, ctx, rope_q, rope_ctx, attend: Attend, context: LayerContext | None = None) -> torch.Tensor:
-        """`context`: this layer's context K/V computed ahead (then `ctx` / `rope_ctx` are not used)."""
+        """`context`: this layer's context K/V computed ahead (then `ctx` / `rope_ctx` are not used; the
+        drafter's forward always hands them in, from one GEMM per layer type)."""
         q = self.normed_rope_heads(self.q_proj(x), self.q_norm.weight, self.q_norm.eps, self.num_heads, *rope_q)
         k = self.normed_rope_heads(self.k_proj(x), self.k_norm.weight, self.k_norm.eps, self.num_kv_heads, *rope_q)
         v = self._heads(self.v_proj(x), self.num_kv_heads)
@@ -217,7 +228,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
 
             decoder layer, eager:  norm | q,k,v proj | q/k norm + RoPE | attention | o_proj | norm | MLP
             compiled:             [norm]            [ one graph each  ]                    [norm][graph]
-            context, per layer:    k/v proj | [k norm + RoPE]        hidden_norm: [norm]
+            context:               k/v proj of every layer of a type (one GEMM) | per layer [k norm + RoPE];  hidden_norm: [norm]
         """
         count = 0
         inside_attention = {id(n) for a in self.modules() if isinstance(a, DFlashAttention) for n in (a.q_norm, a.k_norm)}
@@ -291,17 +302,36 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                     selected[kind] = (ctx.index_select(1, idx), tuple(t.index_select(1, idx) for t in rope_ctx_all))
             return selected[kind]
 
+        projected: dict[str, dict[int, torch.Tensor]] = {}
+
+        def context_projection(i: int) -> torch.Tensor:
+            # layer i's [k | v] context projection; one GEMM per layer type for all its layers: their
+            # gradients into the shared context rows come out of one GEMM instead of being summed layer by layer
+            kind = self.layers[i].layer_type
+            if kind not in projected:
+                members = [j for j, layer in enumerate(self.layers) if layer.layer_type == kind]
+                maps = [self.layers[j].self_attn.context_weight() for j in members]
+                weight = torch.cat([w for w, _ in maps])
+                bias = None if maps[0][1] is None else torch.cat([b for _, b in maps])
+                kv = F.linear(context_rows(kind)[0], weight, bias)
+                projected[kind] = dict(zip(members, kv.split(maps[0][0].shape[0], dim=-1)))
+            return projected[kind][i]
+
+        def layer_context(i: int, begin: bool) -> LayerContext:  # layer i's context K/V (and its gather, begun)
+            layer = self.layers[i]
+            k_ctx, v_ctx = layer.self_attn.context_kv_from(context_projection(i), *context_rows(layer.layer_type)[1])
+            return LayerContext(k_ctx, v_ctx, attention[layer.layer_type].attend.begin(k_ctx, v_ctx) if begin else None)
+
         def ahead(i: int) -> LayerContext | None:  # layer i's context K/V and its gather, started now
             if i >= len(self.layers) or not attention[self.layers[i].layer_type].gather_ahead:
                 return None
-            layer = self.layers[i]
-            ctx_l, rope_ctx = context_rows(layer.layer_type)
-            k_ctx, v_ctx = layer.self_attn.context_kv(ctx_l, *rope_ctx)
-            return LayerContext(k_ctx, v_ctx, attention[layer.layer_type].attend.begin(k_ctx, v_ctx))
+            return layer_context(i, begin=True)
 
         upcoming = ahead(0)
         for i, layer in enumerate(self.layers):
             current, upcoming = upcoming, ahead(i + 1)  # layer i + 1's gather runs behind layer i
+            if current is None:
+                current = layer_context(i, begin=False)
             ctx_l, rope_ctx = context_rows(layer.layer_type)
             x = layer(x, ctx_l, rope_q, rope_ctx, attention[layer.layer_type].attend, current)
         return self.norm(x)

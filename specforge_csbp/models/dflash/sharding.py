@@ -46,6 +46,7 @@ from .layer_attention import LayerAttention
 
 __all__ = [
     "DRAFTER_MODES",
+    "WHOLE_SHARD_MAX_LEFT_OUT",
     "DrafterPlan",
     "LayerPlan",
     "MergedAttention",
@@ -280,14 +281,26 @@ def _rank_blocks(anchors: torch.Tensor, owned: torch.Tensor, seq_len: int, S: in
     return _RankBlocks(q_rows, q_tok, keys)
 
 
+#: a sliding layer keeps its whole context shard when the anchors' windows would leave out at most this share
+#: of it: selecting rows costs a copy of every kept row and, in backward, a scatter of its gradient, more
+#: than the few rows' K/V projections and the attention tiles their mask skips
+WHOLE_SHARD_MAX_LEFT_OUT = 1 / 16
+
+
 def _window_rows(
     in_shard: torch.Tensor, ctx_pos: torch.Tensor, own_need: torch.Tensor, other_need: torch.Tensor | None, bucket: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A sliding layer's context rows on one rank: (positions kept, their rows in the local context, the shared
-    ones' rows in the kept). Kept: rows of the shard some anchor's window needs (own, or - when K/V are shared,
-    `other_need` not None - another rank's), padded to a multiple of `bucket` with rows nobody's window needs."""
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A sliding layer's context rows on one rank: (positions kept, their rows in the local context - None
+    when every row is kept -, the shared ones' rows in the kept). Kept: rows of the shard some anchor's window
+    needs (own, or - when K/V are shared, `other_need` not None - another rank's), padded to a multiple of
+    `bucket` with rows nobody's window needs; the whole shard when that leaves out little of it
+    (WHOLE_SHARD_MAX_LEFT_OUT)."""
     needed = in_shard & (own_need | (other_need if other_need is not None else False))
     keep_mask = _padded(needed, in_shard & ~needed, bucket)
+    shard_rows = int(in_shard.sum())
+    whole = shard_rows - int(keep_mask.sum()) <= WHOLE_SHARD_MAX_LEFT_OUT * shard_rows
+    if whole:
+        keep_mask = in_shard
     share_mask = in_shard & other_need if other_need is not None else torch.zeros_like(in_shard)
     if other_need is not None:  # padding rows: in no other rank's window
         share_mask = _padded(share_mask, keep_mask & ~share_mask, bucket)
@@ -295,7 +308,7 @@ def _window_rows(
     # rows of positions by lookup, not binary search (5x faster at 512K): both are subsets
     row = torch.empty(len(in_shard), dtype=torch.long)
     row[ctx_pos] = torch.arange(len(ctx_pos))
-    idx = row[keep]  # keep's rows in the local context
+    idx = None if whole else row[keep]  # keep's rows in the local context
     row[keep] = torch.arange(len(keep))
     return keep, idx, row[share_mask]  # share_mask lies within keep_mask
 

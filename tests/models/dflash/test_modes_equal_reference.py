@@ -105,10 +105,26 @@ def run(case: Case, mode: str, stats=None, group=None):
     return res, grads
 
 
+def _recording_window_rows(seen: set):
+    """sharding._window_rows, noting which branch each sliding plan took (whole shard kept / rows selected)."""
+    from specforge_csbp.models.dflash import sharding
+
+    original = sharding._window_rows
+
+    def recorded(*args, **kwargs):
+        out = original(*args, **kwargs)
+        seen.add("whole" if out[1] is None else "selected")
+        return out
+
+    sharding._window_rows = recorded
+
+
 def _worker(rank, world, out_dir):
     import torch.distributed as dist
 
     results = {}
+    branches: set = set()
+    _recording_window_rows(branches)
     for size in (2, 3, 4):
         group = dist.new_group(list(range(size)))  # collective over the world: every rank calls it
         if rank >= size:
@@ -127,6 +143,7 @@ def _worker(rank, world, out_dir):
                     "bytes": dict(stats.bytes_sent), "metrics": res.metrics, "ref_metrics": ref.metrics,
                 })  # fmt: skip
     if rank == 0:
+        results["window_rows"] = sorted(branches)
         save_results(out_dir, results)
 
 
@@ -152,3 +169,8 @@ def test_every_mode_equals_the_reference(world, results):
             )
         if "csbp" in res["case"] or "'cp'" in res["case"]:
             assert sum(res["bytes"].values()) > 0  # context K/V really travelled
+
+
+def test_the_matrix_runs_sliding_layers_on_whole_shards_and_on_selected_rows(results):
+    # sharding.WHOLE_SHARD_MAX_LEFT_OUT: both ways of feeding a sliding layer its context are held to the reference
+    assert results["window_rows"] == ["selected", "whole"]
