@@ -286,7 +286,7 @@ class CSBPDrafterTrainingModel(nn.Module):
         # term ties in only those the step left out, since each tied one gets a gradient-sized zero tensor
         # added to its real gradient in backward (two passes over every gradient of the drafter)
         params = [p for p in self.draft_model.parameters() if p.requires_grad]
-        missing = unreached_parameters(numerator, params)
+        missing = unreached_parameters(numerator, params) if torch.is_grad_enabled() else []  # eval: no backward
         if missing:
             numerator = numerator + torch.stack([p.reshape(-1)[0].to(numerator.dtype) for p in missing]).sum() * 0.0
         # a fill kernel: a host-to-device copy of the scalar would wait for the stream (pageable memory)
