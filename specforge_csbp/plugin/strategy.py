@@ -68,7 +68,7 @@ class CSBPDraftTrainStrategy(DraftTrainStrategy):
         self._numerators: list[torch.Tensor] = []
         # per DDP bucket this micro-step: (parameter indices, their non-finite flags on the device)
         self._grad_flags: list[tuple[list[int], torch.Tensor]] = []
-        self._pending: tuple[list[torch.Tensor], torch.Tensor, Any] | None = None  # the verdict being settled
+        self._pending: tuple[list[torch.Tensor], torch.Tensor] | None = None  # (numerators, local flag) to settle
         self._step = 0
         self._armed = False
         self._group = getattr(self.model, "process_group", None) if dist.is_initialized() else None
