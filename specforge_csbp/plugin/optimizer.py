@@ -87,13 +87,6 @@ class FusedBF16Optimizer(BF16Optimizer):
         factor = torch.as_tensor(factor, dtype=torch.float32)
         self._gradient_scale = factor if self._gradient_scale is None else self._gradient_scale * factor
 
-    def _grad_norm_and_clip_coefficient(self):
-        grads = [p.grad.detach() for p in self.model_params if p.grad is not None]
-        if not grads:
-            return super()._grad_norm_and_clip_coefficient()
-        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
-        return self._reduce_grad_norm(torch.stack(norms).square().sum())
-
     def step(self):
         if self.offload_master:
             return super().step()
@@ -102,7 +95,7 @@ class FusedBF16Optimizer(BF16Optimizer):
         for p, mp in zip(self.model_params, self.fp32_params):
             if p.grad is None:
                 mp.grad = None
-        if not have:
+        if not have:  # the parent's zero norm
             return self._finish(*self._grad_norm_and_clip_coefficient(), verdict=None)
         grads = [p.grad.detach() for p, _ in have]
         norms = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32))
